@@ -1,0 +1,64 @@
+//! The command line: argument definitions and dispatch to the library.
+//!
+//! Exit status: 0 success, 1 the operation failed or was refused (drift, a payment
+//! after the deadline), 2 bad arguments or configuration.
+
+mod topology;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{Config, DEFAULT_CONFIG_FILE};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExitStatus {
+    Ok = 0,
+    Failed = 1,
+    Usage = 2,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "lapse",
+    version,
+    about = "Closes unpaid orders when their payment deadline passes"
+)]
+pub struct Cli {
+    /// Configuration file (default: lapse.toml in the working directory, if present).
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan, apply or verify the broker topology from the tier file.
+    Topology {
+        #[command(subcommand)]
+        action: topology::TopologyCommand,
+    },
+}
+
+impl Cli {
+    pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
+        match &self.config {
+            Some(path) => Config::load(path, true),
+            None => Config::load(std::path::Path::new(DEFAULT_CONFIG_FILE), false),
+        }
+    }
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
+    let config = cli.load_config()?;
+    match cli.command {
+        Command::Topology { action } => topology::run(&config, action).await,
+    }
+}
+
+/// Prints `value` as pretty JSON on stdout.
+pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}

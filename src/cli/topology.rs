@@ -1,0 +1,127 @@
+//! `lapse topology plan | apply | verify`.
+
+use anyhow::Context;
+use clap::Subcommand;
+
+use super::{ExitStatus, print_json};
+use crate::broker;
+use crate::config::Config;
+use crate::management::Management;
+use crate::topology::{self, Topology};
+
+#[derive(Debug, Subcommand)]
+pub enum TopologyCommand {
+    /// Show what would be declared, without touching the broker.
+    Plan {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Declare every exchange, queue and binding (idempotent).
+    Apply {
+        /// Also delete empty wait queues of this prefix that the tier file no longer lists.
+        #[arg(long)]
+        prune: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare the live broker with the tier file; exit 1 on any difference.
+    Verify {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<ExitStatus> {
+    let names = config.names();
+    let topology = Topology::new(&names, &config.tier_file()?);
+    let vhost = broker::vhost(&config.broker.url);
+    let management = config
+        .broker
+        .management_url
+        .as_ref()
+        .map(Management::new)
+        .transpose()?;
+    match command {
+        TopologyCommand::Plan { json } => {
+            if json {
+                print_json(&topology)?;
+            } else {
+                print!("{}", topology.render_table());
+            }
+            Ok(ExitStatus::Ok)
+        }
+        TopologyCommand::Apply { prune, json } => {
+            let conn = broker::connect(&config.broker.url, "lapse topology").await?;
+            let report = topology::apply(&conn, &topology).await?;
+            let pruned = if prune {
+                let m = management
+                    .as_ref()
+                    .context("--prune needs broker.management_url to list the broker's queues")?;
+                Some(
+                    topology::prune(&conn, m, &vhost, &names, &topology)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("prune failed: {e}"))?,
+                )
+            } else {
+                None
+            };
+            let _ = conn.close(200, "done".into()).await;
+            if json {
+                print_json(&serde_json::json!({ "apply": report, "prune": pruned }))?;
+            } else {
+                print_apply(&report, pruned.as_ref());
+            }
+            Ok(if report.ok() {
+                ExitStatus::Ok
+            } else {
+                ExitStatus::Failed
+            })
+        }
+        TopologyCommand::Verify { json } => {
+            let conn = broker::connect(&config.broker.url, "lapse topology").await?;
+            let report = topology::verify(&conn, management.as_ref(), &vhost, &topology).await?;
+            let _ = conn.close(200, "done".into()).await;
+            if json {
+                print_json(&report)?;
+            } else {
+                print!("{}", report.render_table());
+            }
+            Ok(if report.ok() {
+                ExitStatus::Ok
+            } else {
+                ExitStatus::Failed
+            })
+        }
+    }
+}
+
+fn print_apply(report: &topology::ApplyReport, pruned: Option<&topology::PruneReport>) {
+    for name in &report.declared {
+        println!("declared  {name}");
+    }
+    for drift in &report.drifts {
+        println!("DRIFT     {drift}");
+    }
+    for failure in &report.failures {
+        println!("FAILED    {failure}");
+    }
+    if let Some(p) = pruned {
+        for name in &p.deleted {
+            println!("deleted   {name} (empty, no longer in the tier file)");
+        }
+        for (name, depth) in &p.kept {
+            println!(
+                "kept      {name} ({depth} messages; no longer in the tier file, delete it once it drains)"
+            );
+        }
+        if p.deleted.is_empty() && p.kept.is_empty() {
+            println!("prune     no orphan wait queues");
+        }
+    }
+    println!(
+        "{} declared, {} drifted, {} failed",
+        report.declared.len(),
+        report.drifts.len(),
+        report.failures.len()
+    );
+}

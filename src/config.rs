@@ -1,0 +1,428 @@
+//! One typed configuration tree: named defaults, then the TOML file, then
+//! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
+//!
+//! Invariants: every error names the key it is about; credentials (the broker and
+//! database URLs) never appear in `Debug` output or in error messages.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+use crate::topology::{Names, TierFile};
+
+/// The file read when `--config` is not given; defaults apply when it is absent.
+pub const DEFAULT_CONFIG_FILE: &str = "lapse.toml";
+
+/// A configuration problem: the key and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {key}: {problem}")]
+pub struct ConfigError {
+    pub key: String,
+    pub problem: String,
+}
+
+impl ConfigError {
+    fn new(key: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// A string that is never printed: URLs with credentials.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub broker: BrokerConfig,
+    pub database: DatabaseConfig,
+    pub topology: TopologyConfig,
+    pub worker: WorkerConfig,
+    pub relay: RelayConfig,
+    pub sweeper: SweeperConfig,
+    pub orders: OrdersConfig,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// AMQP URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    pub url: Secret,
+    /// Management HTTP API, e.g. `http://guest:guest@127.0.0.1:15672`; optional.
+    pub management_url: Option<Secret>,
+    /// Every broker object name starts with `<prefix>.`.
+    pub prefix: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// PostgreSQL URL, e.g. `postgres://postgres@127.0.0.1:5432/lapse`.
+    pub url: Secret,
+    /// Connections per pool (the worker, relay and sweeper each have their own).
+    pub pool_size: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopologyConfig {
+    /// The tier file, relative to the working directory.
+    pub file: PathBuf,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Run the due-queue consumer.
+    pub consumer: bool,
+    /// Run the outbox relay.
+    pub relay: bool,
+    /// Run the stock releaser.
+    pub releaser: bool,
+    /// Run the backstop sweeper.
+    pub sweeper: bool,
+    /// Apply database migrations when the worker starts.
+    pub migrate_on_start: bool,
+    /// Unacknowledged deliveries the broker may push to one consumer.
+    pub prefetch: u16,
+    /// Deliveries decided in one database round trip.
+    pub batch_size: usize,
+    /// How long to wait for a batch to fill once its first delivery arrived.
+    #[serde(with = "humantime_serde")]
+    pub batch_window: Duration,
+    /// Slack when choosing a tier so that a deadline equal to a tier takes one hop.
+    #[serde(with = "humantime_serde")]
+    pub tier_tolerance: Duration,
+    /// Retries after database errors before a timeout is parked.
+    pub max_attempts: u32,
+    /// First retry delay after a database error; doubles per attempt.
+    #[serde(with = "humantime_serde")]
+    pub retry_backoff: Duration,
+    /// Time allowed for in-flight work after SIGINT/SIGTERM.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
+    /// Upper bound on closes per second (0 = unlimited).
+    pub closes_per_second: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    /// Outbox rows published per round.
+    pub batch_size: i64,
+    /// Polling fallback when no notification arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SweeperConfig {
+    /// Time between sweeps.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Only orders overdue by more than this are swept (the message path goes first).
+    #[serde(with = "humantime_serde")]
+    pub grace: Duration,
+    /// Orders closed per batch.
+    pub batch_size: i64,
+    /// Pause between batches.
+    #[serde(with = "humantime_serde")]
+    pub pause: Duration,
+    /// Outbox rows older than this are reported as a stuck relay.
+    #[serde(with = "humantime_serde")]
+    pub stuck_outbox_after: Duration,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrdersConfig {
+    /// Stock given to a SKU that `lapse order create` meets for the first time.
+    pub initial_stock: i64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            broker: BrokerConfig {
+                url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
+                management_url: None,
+                prefix: "lapse".into(),
+            },
+            database: DatabaseConfig {
+                url: Secret::new("postgres://postgres@127.0.0.1:5432/lapse"),
+                pool_size: 8,
+            },
+            topology: TopologyConfig {
+                file: PathBuf::from("topology/default.toml"),
+            },
+            worker: WorkerConfig {
+                consumer: true,
+                relay: true,
+                releaser: true,
+                sweeper: true,
+                migrate_on_start: true,
+                prefetch: 256,
+                batch_size: 100,
+                batch_window: Duration::from_millis(2),
+                tier_tolerance: Duration::from_millis(50),
+                max_attempts: 8,
+                retry_backoff: Duration::from_millis(500),
+                drain_timeout: Duration::from_secs(10),
+                closes_per_second: 0,
+            },
+            relay: RelayConfig {
+                batch_size: 500,
+                poll_interval: Duration::from_millis(500),
+            },
+            sweeper: SweeperConfig {
+                interval: Duration::from_secs(30),
+                grace: Duration::from_secs(10),
+                batch_size: 500,
+                pause: Duration::from_millis(20),
+                stuck_outbox_after: Duration::from_secs(60),
+            },
+            orders: OrdersConfig {
+                initial_stock: 1000,
+            },
+        }
+    }
+}
+
+impl Config {
+    /// Loads defaults, then `file` (required to exist when `explicit`), then the
+    /// environment, and validates the result.
+    pub fn load(file: &Path, explicit: bool) -> Result<Self, ConfigError> {
+        if explicit && !file.is_file() {
+            return Err(ConfigError::new(
+                "--config",
+                format!("no such file: {}", file.display()),
+            ));
+        }
+        let figment = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::file(file))
+            .merge(Env::prefixed("LAPSE_").split("__"));
+        Self::from_figment(figment)
+    }
+
+    pub fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
+        let config: Config = figment.extract().map_err(figment_error)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what the types cannot: URLs, the prefix, the tier file, ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let amqp = lapin::uri::AMQPUri::from_str(self.broker.url.expose())
+            .map_err(|_| ConfigError::new("broker.url", "not a valid amqp:// or amqps:// URL"))?;
+        let _ = amqp;
+        if let Some(mgmt) = &self.broker.management_url {
+            let url = url::Url::parse(mgmt.expose()).map_err(|e| {
+                ConfigError::new("broker.management_url", format!("not a valid URL ({e})"))
+            })?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(ConfigError::new(
+                    "broker.management_url",
+                    "must be an http:// or https:// URL",
+                ));
+            }
+        }
+        validate_prefix(&self.broker.prefix)?;
+        tokio_postgres::Config::from_str(self.database.url.expose()).map_err(|_| {
+            ConfigError::new(
+                "database.url",
+                "not a valid postgres:// URL or key=value string",
+            )
+        })?;
+        positive("database.pool_size", self.database.pool_size as u64)?;
+        positive("worker.prefetch", u64::from(self.worker.prefetch))?;
+        positive("worker.batch_size", self.worker.batch_size as u64)?;
+        positive("worker.max_attempts", u64::from(self.worker.max_attempts))?;
+        positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
+        positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
+        if self.orders.initial_stock < 0 {
+            return Err(ConfigError::new(
+                "orders.initial_stock",
+                "must not be negative",
+            ));
+        }
+        self.tier_file()?;
+        Ok(())
+    }
+
+    /// Loads and validates the tier file named by `topology.file`.
+    pub fn tier_file(&self) -> Result<TierFile, ConfigError> {
+        TierFile::load(&self.topology.file).map_err(|e| {
+            let key = if e.key == "topology.file" {
+                e.key
+            } else {
+                format!("topology.file ({}) {}", e.file.display(), e.key)
+            };
+            ConfigError::new(key, e.problem)
+        })
+    }
+
+    pub fn names(&self) -> Names {
+        Names::new(self.broker.prefix.clone())
+    }
+}
+
+fn positive(key: &str, value: u64) -> Result<(), ConfigError> {
+    if value == 0 {
+        return Err(ConfigError::new(key, "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// A prefix becomes the first component of every queue and exchange name.
+pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
+    let bad = |problem: &str| Err(ConfigError::new("broker.prefix", problem));
+    if prefix.is_empty() {
+        return bad("must not be empty");
+    }
+    if prefix.len() > 100 {
+        return bad("must be at most 100 characters (queue names are limited to 255 bytes)");
+    }
+    if let Some(c) = prefix
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return bad(&format!(
+            "contains {c:?}; use only ASCII letters, digits, '-', '_' and '.'"
+        ));
+    }
+    if prefix.starts_with('.') || prefix.ends_with('.') || prefix.contains("..") {
+        return bad("must not start or end with '.' or contain an empty component");
+    }
+    if prefix.starts_with("amq.") {
+        return bad("names starting with 'amq.' are reserved by the broker");
+    }
+    Ok(())
+}
+
+fn figment_error(error: figment::Error) -> ConfigError {
+    use figment::error::Kind;
+    let mut path = error.path.clone();
+    let problem = match &error.kind {
+        Kind::UnknownField(field, _) => {
+            if path.last() != Some(field) {
+                path.push(field.clone());
+            }
+            "unknown key".to_string()
+        }
+        Kind::MissingField(field) => {
+            if path.last().map(String::as_str) != Some(field.as_ref()) {
+                path.push(field.to_string());
+            }
+            "missing key".to_string()
+        }
+        kind => kind.to_string(),
+    };
+    let key = if path.is_empty() {
+        "(top level)".to_string()
+    } else {
+        path.join(".")
+    };
+    ConfigError::new(key, problem)
+}
+
+#[cfg(test)]
+// figment's Jail closures return its (large) error type by design.
+#[allow(clippy::result_large_err)]
+mod tests {
+    use super::*;
+    use figment::Jail;
+
+    fn load_in_jail(jail: &Jail) -> Result<Config, ConfigError> {
+        let _ = jail;
+        Config::load(Path::new(DEFAULT_CONFIG_FILE), false)
+    }
+
+    fn with_tier_file(jail: &mut Jail) {
+        jail.create_dir("topology").unwrap();
+        jail.create_file("topology/default.toml", "tiers = [\"1s\", \"5s\"]")
+            .unwrap();
+    }
+
+    #[test]
+    fn defaults_without_a_file() {
+        Jail::expect_with(|jail| {
+            with_tier_file(jail);
+            let config = load_in_jail(jail).unwrap();
+            assert_eq!(config.broker.prefix, "lapse");
+            assert_eq!(config.worker.tier_tolerance, Duration::from_millis(50));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        Jail::expect_with(|jail| {
+            with_tier_file(jail);
+            jail.create_file(
+                "lapse.toml",
+                "[broker]\nprefix = \"from-file\"\n[worker]\nbatch_window = \"7ms\"",
+            )?;
+            jail.set_env("LAPSE_BROKER__PREFIX", "from-env");
+            let config = load_in_jail(jail).unwrap();
+            assert_eq!(config.broker.prefix, "from-env");
+            assert_eq!(config.worker.batch_window, Duration::from_millis(7));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn errors_name_the_key_and_hide_secrets() {
+        Jail::expect_with(|jail| {
+            with_tier_file(jail);
+            let cases = [
+                ("[broker]\ncolour = 1", "broker.colour"),
+                (
+                    "[worker]\ntier_tolerance = \"soon\"",
+                    "worker.tier_tolerance",
+                ),
+                ("[broker]\nurl = \"http://guest:s3cret@x\"", "broker.url"),
+                ("[database]\nurl = \"::s3cret::\"", "database.url"),
+                ("[broker]\nprefix = \"a b\"", "broker.prefix"),
+            ];
+            for (text, key) in cases {
+                jail.create_file("lapse.toml", text)?;
+                let err = load_in_jail(jail).unwrap_err();
+                assert_eq!(err.key, key, "{text}");
+                assert!(!err.to_string().contains("s3cret"), "{err}");
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn debug_hides_credentials() {
+        let mut config = Config::default();
+        config.broker.url = Secret::new("amqp://u:s3cret@h/");
+        assert!(!format!("{config:?}").contains("s3cret"));
+    }
+}

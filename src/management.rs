@@ -1,0 +1,160 @@
+//! A small client for the RabbitMQ management HTTP API: what AMQP cannot tell —
+//! queue listings, stored arguments, policies, bindings and feature flags.
+//!
+//! Invariant: credentials from the URL go into the Authorization header only and
+//! never into messages or logs.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::config::Secret;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManagementError {
+    #[error("management API request to {path} failed: {message}")]
+    Request { path: String, message: String },
+    #[error("management API answered {status} for {path}")]
+    Status { path: String, status: u16 },
+}
+
+#[derive(Clone)]
+pub struct Management {
+    base: url::Url,
+    user: String,
+    password: String,
+    http: reqwest::Client,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct QueueInfo {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: Map<String, Value>,
+    #[serde(default)]
+    pub policy: Option<String>,
+    #[serde(default)]
+    pub operator_policy: Option<String>,
+    #[serde(default)]
+    pub effective_policy_definition: Option<Value>,
+    #[serde(default)]
+    pub messages: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FeatureFlag {
+    pub name: String,
+    pub state: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct BindingInfo {
+    pub routing_key: String,
+}
+
+impl Management {
+    pub fn new(url: &Secret) -> Result<Self, ManagementError> {
+        let mut base = url::Url::parse(url.expose()).map_err(|e| ManagementError::Request {
+            path: "(base URL)".into(),
+            message: e.to_string(),
+        })?;
+        let user = match base.username() {
+            "" => "guest".to_string(),
+            u => percent_decode(u),
+        };
+        let password = percent_decode(base.password().unwrap_or("guest"));
+        let _ = base.set_username("");
+        let _ = base.set_password(None);
+        let http = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(10))
+            .build()
+            .map_err(|e| ManagementError::Request {
+                path: "(client)".into(),
+                message: e.to_string(),
+            })?;
+        Ok(Self {
+            base,
+            user,
+            password,
+            http,
+        })
+    }
+
+    async fn get<T: for<'de> Deserialize<'de>>(
+        &self,
+        segments: &[&str],
+    ) -> Result<Option<T>, ManagementError> {
+        let mut url = self.base.clone();
+        {
+            let mut path = url
+                .path_segments_mut()
+                .map_err(|_| ManagementError::Request {
+                    path: self.base.to_string(),
+                    message: "base URL cannot have a path".into(),
+                })?;
+            path.pop_if_empty().push("api");
+            for s in segments {
+                path.push(s);
+            }
+        }
+        let shown = url.path().to_string();
+        let response = self
+            .http
+            .get(url)
+            .basic_auth(&self.user, Some(&self.password))
+            .send()
+            .await
+            .map_err(|e| ManagementError::Request {
+                path: shown.clone(),
+                message: e.without_url().to_string(),
+            })?;
+        match response.status().as_u16() {
+            404 => Ok(None),
+            200..=299 => response
+                .json()
+                .await
+                .map(Some)
+                .map_err(|e| ManagementError::Request {
+                    path: shown,
+                    message: e.without_url().to_string(),
+                }),
+            status => Err(ManagementError::Status {
+                path: shown,
+                status,
+            }),
+        }
+    }
+
+    pub async fn queue(
+        &self,
+        vhost: &str,
+        name: &str,
+    ) -> Result<Option<QueueInfo>, ManagementError> {
+        self.get(&["queues", vhost, name]).await
+    }
+
+    pub async fn queues(&self, vhost: &str) -> Result<Vec<QueueInfo>, ManagementError> {
+        Ok(self.get(&["queues", vhost]).await?.unwrap_or_default())
+    }
+
+    pub async fn feature_flags(&self) -> Result<Vec<FeatureFlag>, ManagementError> {
+        Ok(self.get(&["feature-flags"]).await?.unwrap_or_default())
+    }
+
+    pub async fn bindings(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        queue: &str,
+    ) -> Result<Vec<BindingInfo>, ManagementError> {
+        Ok(self
+            .get(&["bindings", vhost, "e", exchange, "q", queue])
+            .await?
+            .unwrap_or_default())
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
+}

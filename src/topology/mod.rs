@@ -1,0 +1,308 @@
+//! Topology as data: the exchanges, queues and bindings one deployment needs,
+//! derived from the name prefix and the tier file. The same [`Topology`] value
+//! drives `plan` (print it), `apply` (declare it) and `verify` (compare it with the
+//! live broker).
+//!
+//! Invariants: every name starts with `<prefix>.`; each wait queue is quorum with an
+//! integer `x-message-ttl`, dead-letters at-least-once into `<prefix>.due`, and
+//! rejects publishes when full (at-least-once dead-lettering silently degrades to
+//! at-most-once without `x-overflow=reject-publish`).
+
+mod apply;
+mod tiers_file;
+mod verify;
+
+pub use apply::{ApplyReport, Drift, PruneReport, apply, prune};
+pub use tiers_file::{TierFile, TierFileError};
+pub use verify::{Check, CheckStatus, VerifyReport, verify};
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::tier::Tier;
+
+/// Routing key under which wait queues dead-letter into the due exchange.
+pub const DUE_ROUTING_KEY: &str = "due";
+/// Routing key of stock-release events on the events exchange.
+pub const STOCK_RELEASE_ROUTING_KEY: &str = "stock.release";
+
+/// A queue or exchange argument value as RabbitMQ stores it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum ArgValue {
+    Int(i64),
+    Str(String),
+}
+
+impl fmt::Display for ArgValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArgValue::Int(n) => write!(f, "{n}"),
+            ArgValue::Str(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+pub type Arguments = BTreeMap<String, ArgValue>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExchangeKind {
+    Direct,
+    Fanout,
+}
+
+impl ExchangeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExchangeKind::Direct => "direct",
+            ExchangeKind::Fanout => "fanout",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExchangeSpec {
+    pub name: String,
+    pub kind: ExchangeKind,
+    pub arguments: Arguments,
+}
+
+/// What a queue is for; wait queues carry their tier.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "role", content = "tier")]
+pub enum QueueRole {
+    Wait(String),
+    Due,
+    Parked,
+    StockRelease,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct QueueSpec {
+    pub name: String,
+    #[serde(flatten)]
+    pub role: QueueRole,
+    pub arguments: Arguments,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BindingSpec {
+    pub exchange: String,
+    pub queue: String,
+    pub routing_key: String,
+}
+
+/// Broker object names of one deployment, all derived from the prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Names {
+    pub prefix: String,
+}
+
+impl Names {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+        }
+    }
+    pub fn delay_exchange(&self) -> String {
+        format!("{}.delay", self.prefix)
+    }
+    pub fn due_exchange(&self) -> String {
+        format!("{}.due", self.prefix)
+    }
+    pub fn due_queue(&self) -> String {
+        format!("{}.due", self.prefix)
+    }
+    pub fn parked(&self) -> String {
+        format!("{}.parked", self.prefix)
+    }
+    pub fn events_exchange(&self) -> String {
+        format!("{}.events", self.prefix)
+    }
+    pub fn stock_release_queue(&self) -> String {
+        format!("{}.stock.release", self.prefix)
+    }
+    pub fn wait_queue_prefix(&self) -> String {
+        format!("{}.wait.", self.prefix)
+    }
+    pub fn wait_queue(&self, tier: Tier) -> String {
+        format!("{}{}", self.wait_queue_prefix(), tier.name())
+    }
+}
+
+/// Everything one deployment declares.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Topology {
+    pub prefix: String,
+    pub exchanges: Vec<ExchangeSpec>,
+    pub queues: Vec<QueueSpec>,
+    pub bindings: Vec<BindingSpec>,
+}
+
+fn str_arg(s: impl Into<String>) -> ArgValue {
+    ArgValue::Str(s.into())
+}
+
+impl Topology {
+    /// Derives the whole graph from a prefix and a validated tier file.
+    pub fn new(names: &Names, file: &TierFile) -> Self {
+        let parked = names.parked();
+        let exchange = |name: String, kind, arguments| ExchangeSpec {
+            name,
+            kind,
+            arguments,
+        };
+        let exchanges = vec![
+            exchange(
+                names.delay_exchange(),
+                ExchangeKind::Direct,
+                // An unknown tier is parked, not dropped.
+                Arguments::from([("alternate-exchange".into(), str_arg(&parked))]),
+            ),
+            exchange(names.due_exchange(), ExchangeKind::Direct, Arguments::new()),
+            exchange(parked.clone(), ExchangeKind::Fanout, Arguments::new()),
+            exchange(
+                names.events_exchange(),
+                ExchangeKind::Direct,
+                Arguments::new(),
+            ),
+        ];
+
+        let mut queues = Vec::new();
+        let mut bindings = Vec::new();
+        let bind = |exchange: String, queue: &str, key: &str| BindingSpec {
+            exchange,
+            queue: queue.to_string(),
+            routing_key: key.to_string(),
+        };
+        for tier in file.tiers.iter() {
+            let name = names.wait_queue(tier);
+            let mut arguments = Arguments::from([
+                ("x-queue-type".into(), str_arg("quorum")),
+                ("x-message-ttl".into(), ArgValue::Int(tier.ttl_ms() as i64)),
+                (
+                    "x-dead-letter-exchange".into(),
+                    str_arg(names.due_exchange()),
+                ),
+                ("x-dead-letter-routing-key".into(), str_arg(DUE_ROUTING_KEY)),
+                ("x-dead-letter-strategy".into(), str_arg("at-least-once")),
+                ("x-overflow".into(), str_arg("reject-publish")),
+            ]);
+            if let Some(max) = file.max_length {
+                arguments.insert("x-max-length".into(), ArgValue::Int(max as i64));
+            }
+            bindings.push(bind(names.delay_exchange(), &name, &tier.name()));
+            queues.push(QueueSpec {
+                name,
+                role: QueueRole::Wait(tier.name()),
+                arguments,
+            });
+        }
+        // Consumed queues: a message delivered too often is dead-lettered to parked.
+        let consumed = |name: String, role| QueueSpec {
+            name,
+            role,
+            arguments: Arguments::from([
+                ("x-queue-type".into(), str_arg("quorum")),
+                (
+                    "x-delivery-limit".into(),
+                    ArgValue::Int(i64::from(file.delivery_limit)),
+                ),
+                ("x-dead-letter-exchange".into(), str_arg(&parked)),
+                ("x-dead-letter-strategy".into(), str_arg("at-least-once")),
+                ("x-overflow".into(), str_arg("reject-publish")),
+            ]),
+        };
+        queues.push(consumed(names.due_queue(), QueueRole::Due));
+        bindings.push(bind(
+            names.due_exchange(),
+            &names.due_queue(),
+            DUE_ROUTING_KEY,
+        ));
+        queues.push(QueueSpec {
+            name: parked.clone(),
+            role: QueueRole::Parked,
+            arguments: Arguments::from([("x-queue-type".into(), str_arg("quorum"))]),
+        });
+        bindings.push(bind(parked.clone(), &parked, ""));
+        queues.push(consumed(
+            names.stock_release_queue(),
+            QueueRole::StockRelease,
+        ));
+        bindings.push(bind(
+            names.events_exchange(),
+            &names.stock_release_queue(),
+            STOCK_RELEASE_ROUTING_KEY,
+        ));
+        Self {
+            prefix: names.prefix.clone(),
+            exchanges,
+            queues,
+            bindings,
+        }
+    }
+
+    pub fn queue(&self, name: &str) -> Option<&QueueSpec> {
+        self.queues.iter().find(|q| q.name == name)
+    }
+
+    /// A readable table of what would be declared.
+    pub fn render_table(&self) -> String {
+        let mut out = String::new();
+        out.push_str("EXCHANGES\n");
+        for e in &self.exchanges {
+            out.push_str(&format!(
+                "  {:<40} {:<7} {}\n",
+                e.name,
+                e.kind.as_str(),
+                render_args(&e.arguments)
+            ));
+        }
+        out.push_str("QUEUES\n");
+        for q in &self.queues {
+            out.push_str(&format!("  {:<40} {}\n", q.name, render_args(&q.arguments)));
+        }
+        out.push_str("BINDINGS\n");
+        for b in &self.bindings {
+            out.push_str(&format!(
+                "  {:<28} --[{}]--> {}\n",
+                b.exchange, b.routing_key, b.queue
+            ));
+        }
+        out
+    }
+}
+
+pub fn render_args(args: &Arguments) -> String {
+    args.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_queues_carry_the_spec_arguments() {
+        let file = TierFile::parse("tiers = [\"30m\", \"1s\"]").unwrap();
+        let topo = Topology::new(&Names::new("shop"), &file);
+        let q = topo.queue("shop.wait.30m").unwrap();
+        assert_eq!(q.arguments["x-message-ttl"], ArgValue::Int(1_800_000));
+        assert_eq!(q.arguments["x-dead-letter-exchange"], str_arg("shop.due"));
+        assert_eq!(
+            q.arguments["x-dead-letter-strategy"],
+            str_arg("at-least-once")
+        );
+        assert_eq!(q.arguments["x-overflow"], str_arg("reject-publish"));
+        assert_eq!(q.arguments.len(), 6);
+        assert!(topo.bindings.iter().any(|b| b.exchange == "shop.delay"
+            && b.routing_key == "1s"
+            && b.queue == "shop.wait.1s"));
+        assert!(topo.queues.iter().all(|q| q.name.starts_with("shop.")));
+    }
+}

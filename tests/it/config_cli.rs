@@ -1,0 +1,169 @@
+//! Invalid configuration, through the binary: exit status 2, the key named, no
+//! credentials in the output.
+
+use crate::helpers::{run_lapse, stderr};
+
+struct Case {
+    name: &'static str,
+    config: &'static str,
+    tiers: &'static str,
+    env: &'static [(&'static str, &'static str)],
+    key: &'static str,
+}
+
+const SECRET: &str = "hunter2secret";
+
+#[test]
+fn every_invalid_configuration_exits_2_naming_the_key() {
+    let ok_tiers = "tiers = [\"1s\", \"5s\"]";
+    let cases = [
+        Case {
+            name: "unknown key",
+            config: "[broker]\nprefx = \"x\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "broker.prefx",
+        },
+        Case {
+            name: "unknown section",
+            config: "[brokers]\nurl = \"x\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "brokers",
+        },
+        Case {
+            name: "unknown env key",
+            config: "",
+            tiers: ok_tiers,
+            env: &[("LAPSE_WORKER__PREFECH", "5")],
+            key: "worker.prefech",
+        },
+        Case {
+            name: "unparsable duration",
+            config: "[worker]\ntier_tolerance = \"a bit\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "worker.tier_tolerance",
+        },
+        Case {
+            name: "unparsable env duration",
+            config: "",
+            tiers: ok_tiers,
+            env: &[("LAPSE_SWEEPER__INTERVAL", "often")],
+            key: "sweeper.interval",
+        },
+        Case {
+            name: "bad broker url",
+            config: "[broker]\nurl = \"ftp://guest:hunter2secret@host\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "broker.url",
+        },
+        Case {
+            name: "bad management url",
+            config: "[broker]\nmanagement_url = \"not a url hunter2secret\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "broker.management_url",
+        },
+        Case {
+            name: "bad database url",
+            config: "[database]\nurl = \"postgres://u:hunter2secret@host:notaport/db\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "database.url",
+        },
+        Case {
+            name: "empty tier list",
+            config: "",
+            tiers: "tiers = []",
+            env: &[],
+            key: "tiers",
+        },
+        Case {
+            name: "duplicate tiers",
+            config: "",
+            tiers: "tiers = [\"1m\", \"60s\"]",
+            env: &[],
+            key: "tiers[1]",
+        },
+        Case {
+            name: "zero tier",
+            config: "",
+            tiers: "tiers = [\"0s\"]",
+            env: &[],
+            key: "tiers[0]",
+        },
+        Case {
+            name: "tier above the TTL maximum",
+            config: "",
+            tiers: "tiers = [\"1s\", \"50days\"]",
+            env: &[],
+            key: "tiers[1]",
+        },
+        Case {
+            name: "prefix with a space",
+            config: "[broker]\nprefix = \"my shop\"",
+            tiers: ok_tiers,
+            env: &[],
+            key: "broker.prefix",
+        },
+        Case {
+            name: "reserved prefix",
+            config: "",
+            tiers: ok_tiers,
+            env: &[("LAPSE_BROKER__PREFIX", "amq.x")],
+            key: "broker.prefix",
+        },
+    ];
+    for case in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let tiers = dir.path().join("tiers.toml");
+        std::fs::write(&tiers, case.tiers).unwrap();
+        let config = dir.path().join("lapse.toml");
+        // The topology section comes first so a case's own sections follow it.
+        std::fs::write(
+            &config,
+            format!(
+                "[topology]\nfile = {:?}\n{}\n",
+                tiers.display().to_string(),
+                case.config
+            ),
+        )
+        .unwrap();
+        let out = run_lapse(
+            &["--config", config.to_str().unwrap(), "topology", "plan"],
+            case.env,
+        );
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{}: {err}", case.name);
+        assert!(
+            err.contains(case.key),
+            "{}: expected key `{}` in: {err}",
+            case.name,
+            case.key
+        );
+        assert!(
+            !err.contains(SECRET),
+            "{}: credentials leaked: {err}",
+            case.name
+        );
+        assert!(!String::from_utf8_lossy(&out.stdout).contains(SECRET));
+    }
+}
+
+#[test]
+fn a_missing_explicit_config_file_exits_2() {
+    let out = run_lapse(
+        &["--config", "/nonexistent/lapse.toml", "topology", "plan"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--config"));
+}
+
+#[test]
+fn bad_arguments_exit_2() {
+    let out = run_lapse(&["topology", "frobnicate"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -1,0 +1,228 @@
+//! `TestEnv`: a unique prefix, a private directory with a tier file and config,
+//! connections to the real services, and cleanup of everything created.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use lapse::config::Secret;
+use lapse::management::Management;
+use lapse::topology::{Names, TierFile, Topology};
+
+pub fn amqp_url() -> String {
+    std::env::var("LAPSE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn management_url() -> String {
+    std::env::var("LAPSE_TEST_MANAGEMENT_URL")
+        .unwrap_or_else(|_| "http://guest:guest@127.0.0.1:15672".into())
+}
+
+pub fn init_logs() {
+    if std::env::var("TEST_LOG").is_ok() {
+        lapse::telemetry::init();
+    }
+}
+
+/// A name that no other test (or earlier run) uses.
+pub fn unique(kind: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "t{kind}{:x}{:x}{}",
+        std::process::id(),
+        nanos,
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub struct TestEnv {
+    pub prefix: String,
+    pub dir: tempfile::TempDir,
+    pub conn: lapin::Connection,
+    pub management: Management,
+    extra_queues: Vec<String>,
+    extra_prefixes_cleaned: bool,
+}
+
+impl TestEnv {
+    /// A fresh prefix and a tier file listing `tiers`.
+    pub async fn new(tiers: &[&str]) -> Self {
+        init_logs();
+        let prefix = unique("p");
+        let dir = tempfile::tempdir().unwrap();
+        let env = Self {
+            prefix,
+            dir,
+            conn: lapse::broker::connect(&Secret::new(amqp_url()), "lapse test")
+                .await
+                .expect("RabbitMQ must be running (scripts/services.sh starts it)"),
+            management: Management::new(&Secret::new(management_url())).unwrap(),
+            extra_queues: Vec::new(),
+            extra_prefixes_cleaned: false,
+        };
+        env.write_tiers(tiers, "");
+        env.write_config("");
+        env
+    }
+
+    pub fn names(&self) -> Names {
+        Names::new(self.prefix.clone())
+    }
+
+    pub fn tier_path(&self) -> PathBuf {
+        self.dir.path().join("tiers.toml")
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("lapse.toml")
+    }
+
+    pub fn write_tiers(&self, tiers: &[&str], extra: &str) {
+        let list: Vec<String> = tiers.iter().map(|t| format!("{t:?}")).collect();
+        std::fs::write(
+            self.tier_path(),
+            format!("tiers = [{}]\n{extra}\n", list.join(", ")),
+        )
+        .unwrap();
+    }
+
+    /// Writes the config file; `extra` is appended (whole extra sections).
+    pub fn write_config(&self, extra: &str) {
+        std::fs::write(
+            self.config_path(),
+            format!(
+                "[broker]\nurl = {:?}\nmanagement_url = {:?}\nprefix = {:?}\n\n[topology]\nfile = {:?}\n{extra}\n",
+                amqp_url(),
+                management_url(),
+                self.prefix,
+                self.tier_path().display().to_string(),
+            ),
+        )
+        .unwrap();
+    }
+
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.names(), &TierFile::load(&self.tier_path()).unwrap())
+    }
+
+    /// Runs the `lapse` binary with this env's config file.
+    pub fn lapse(&self, args: &[&str]) -> Output {
+        let config = self.config_path();
+        let mut full = vec!["--config", config.to_str().unwrap()];
+        full.extend_from_slice(args);
+        run_lapse(&full, &[])
+    }
+
+    /// Registers a queue the test declares itself, to be deleted at cleanup.
+    pub fn track_queue(&mut self, name: impl Into<String>) {
+        self.extra_queues.push(name.into());
+    }
+
+    /// Deletes every queue and exchange whose name starts with this prefix.
+    pub async fn cleanup(mut self) {
+        self.delete_everything().await;
+        self.extra_prefixes_cleaned = true;
+    }
+
+    async fn delete_everything(&self) {
+        let vhost = "/";
+        let mut queues: Vec<String> = self
+            .management
+            .queues(vhost)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|q| q.name)
+            .filter(|n| n.starts_with(&format!("{}.", self.prefix)))
+            .collect();
+        queues.extend(self.topology_names().0);
+        queues.extend(self.extra_queues.iter().cloned());
+        queues.sort();
+        queues.dedup();
+        for q in queues {
+            if let Ok(ch) = self.conn.create_channel().await {
+                let _ = ch
+                    .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+            }
+        }
+        for e in self.topology_names().1 {
+            if let Ok(ch) = self.conn.create_channel().await {
+                let _ = ch
+                    .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
+                    .await;
+            }
+        }
+    }
+
+    fn topology_names(&self) -> (Vec<String>, Vec<String>) {
+        let names = self.names();
+        let queues = vec![
+            names.due_queue(),
+            names.parked(),
+            names.stock_release_queue(),
+        ];
+        let exchanges = vec![
+            names.delay_exchange(),
+            names.due_exchange(),
+            names.parked(),
+            names.events_exchange(),
+        ];
+        (queues, exchanges)
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        if self.extra_prefixes_cleaned {
+            return;
+        }
+        // The test failed before cleanup: clean up on a thread with its own runtime.
+        let prefix = self.prefix.clone();
+        let queues = self.extra_queues.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let conn = lapse::broker::connect(&Secret::new(amqp_url()), "lapse test cleanup")
+                    .await
+                    .unwrap();
+                let env = TestEnv {
+                    prefix,
+                    dir: tempfile::tempdir().unwrap(),
+                    conn,
+                    management: Management::new(&Secret::new(management_url())).unwrap(),
+                    extra_queues: queues,
+                    extra_prefixes_cleaned: true,
+                };
+                env.delete_everything().await;
+            });
+        })
+        .join();
+    }
+}
+
+/// Runs the binary with no inherited `LAPSE_` variables plus `env`.
+pub fn run_lapse(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_lapse"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("LAPSE_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.args(args).envs(env.iter().copied());
+    cmd.output().expect("run lapse")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}

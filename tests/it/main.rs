@@ -1,0 +1,7 @@
+//! Integration tests against the real RabbitMQ and PostgreSQL. Each test gets a
+//! unique broker name prefix (and, where it needs one, a fresh database) and cleans
+//! up after itself. Set `TEST_LOG=1` to see the library's logs.
+
+mod config_cli;
+mod helpers;
+mod topology;

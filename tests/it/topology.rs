@@ -1,0 +1,384 @@
+//! `lapse topology plan | apply | verify` against the real broker, and the timing
+//! properties of the tiers it declares.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapse::broker::{Publisher, field_table};
+use lapse::topology::ArgValue;
+use serde_json::{Value, json};
+
+use crate::helpers::{TestEnv, stdout};
+
+/// What the management API says about every object of this prefix, for comparison.
+async fn snapshot(env: &TestEnv) -> Vec<(String, Value)> {
+    let mut out: Vec<(String, Value)> = env
+        .management
+        .queues("/")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|q| q.name.starts_with(&format!("{}.", env.prefix)))
+        .map(|q| (q.name, Value::Object(q.arguments)))
+        .collect();
+    for b in &env.topology().bindings {
+        let keys: Vec<String> = env
+            .management
+            .bindings("/", &b.exchange, &b.queue)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|x| x.routing_key)
+            .collect();
+        out.push((format!("{} -> {}", b.exchange, b.queue), json!(keys)));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[tokio::test]
+async fn apply_twice_gives_an_identical_broker_with_the_spec_arguments() {
+    let env = TestEnv::new(&["300ms", "1s", "30m", "1h30m"]).await;
+    let plan = env.lapse(&["topology", "plan"]);
+    assert!(plan.status.success());
+    assert!(
+        stdout(&plan).contains(&format!("{}.wait.1h30m", env.prefix)),
+        "{}",
+        stdout(&plan)
+    );
+
+    let first = env.lapse(&["topology", "apply"]);
+    assert!(first.status.success(), "{}", stdout(&first));
+    let after_first = snapshot(&env).await;
+    let second = env.lapse(&["topology", "apply"]);
+    assert!(second.status.success(), "{}", stdout(&second));
+    assert_eq!(after_first, snapshot(&env).await);
+    // 4 wait queues + due + parked + stock.release, and one binding each.
+    assert_eq!(after_first.len(), 7 + 7);
+
+    let q = env
+        .management
+        .queue("/", &format!("{}.wait.30m", env.prefix))
+        .await
+        .unwrap()
+        .expect("wait queue exists");
+    let expected = json!({
+        "x-queue-type": "quorum",
+        "x-message-ttl": 1_800_000,
+        "x-dead-letter-exchange": format!("{}.due", env.prefix),
+        "x-dead-letter-routing-key": "due",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    });
+    assert_eq!(Value::Object(q.arguments), expected);
+
+    let verify = env.lapse(&["topology", "verify"]);
+    assert!(verify.status.success(), "{}", stdout(&verify));
+    assert!(
+        stdout(&verify).contains("0 failed, 0 skipped"),
+        "{}",
+        stdout(&verify)
+    );
+    env.cleanup().await;
+}
+
+async fn publish_to_tier(publisher: &Publisher, env: &TestEnv, tier: &str, body: &str) -> Instant {
+    let sent = Instant::now();
+    publisher
+        .publish(
+            &env.names().delay_exchange(),
+            tier,
+            body.as_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+    sent
+}
+
+#[tokio::test]
+async fn tiers_never_deliver_early_and_a_short_tier_overtakes_a_long_one() {
+    let env = TestEnv::new(&["300ms", "3s"]).await;
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    let channel = env.conn.create_channel().await.unwrap();
+    let mut due = channel
+        .basic_consume(
+            env.names().due_queue().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let long_sent = publish_to_tier(&publisher, &env, "3s", "long").await;
+    let short_sent = publish_to_tier(&publisher, &env, "300ms", "short").await;
+    let mut order = Vec::new();
+    for _ in 0..2 {
+        let delivery = tokio::time::timeout(Duration::from_secs(15), due.next())
+            .await
+            .expect("a message reaches the due queue")
+            .unwrap()
+            .unwrap();
+        let body = String::from_utf8(delivery.data.clone()).unwrap();
+        let waited = if body == "long" {
+            long_sent.elapsed()
+        } else {
+            short_sent.elapsed()
+        };
+        let ttl = if body == "long" { 3_000 } else { 300 };
+        assert!(
+            waited >= Duration::from_millis(ttl),
+            "{body} arrived early after {waited:?}"
+        );
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+        order.push(body);
+    }
+    assert_eq!(
+        order,
+        ["short", "long"],
+        "no head-of-line blocking across tiers"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn per_message_ttl_blocks_the_short_message_behind_the_long_one() {
+    // The counter-demonstration: one queue, per-message `expiration`.
+    let mut env = TestEnv::new(&["1s"]).await;
+    let channel = env.conn.create_channel().await.unwrap();
+    let target = format!("{}.demo.target", env.prefix);
+    let waiting = format!("{}.demo.per-message", env.prefix);
+    env.track_queue(&target);
+    env.track_queue(&waiting);
+    channel
+        .queue_declare(
+            target.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut args = lapse::topology::Arguments::new();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        ArgValue::Str(String::new()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        ArgValue::Str(target.clone()),
+    );
+    channel
+        .queue_declare(
+            waiting.as_str().into(),
+            QueueDeclareOptions::default(),
+            field_table(&args),
+        )
+        .await
+        .unwrap();
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    let started = Instant::now();
+    for (body, ms) in [("long", "3000"), ("short", "300")] {
+        publisher
+            .publish(
+                "",
+                &waiting,
+                body.as_bytes(),
+                BasicProperties::default().with_expiration(ms.into()),
+            )
+            .await
+            .unwrap();
+    }
+    let mut consumer = channel
+        .basic_consume(
+            target.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut arrivals = Vec::new();
+    for _ in 0..2 {
+        let d = tokio::time::timeout(Duration::from_secs(15), consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        arrivals.push((
+            String::from_utf8(d.data.clone()).unwrap(),
+            started.elapsed(),
+        ));
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert_eq!(arrivals[0].0, "long");
+    assert_eq!(arrivals[1].0, "short");
+    assert!(
+        arrivals[1].1 >= Duration::from_millis(3_000),
+        "short waited behind long: {arrivals:?}"
+    );
+    env.cleanup().await;
+}
+
+async fn predeclare_wait_queue_with_ttl(env: &TestEnv, tier: &str, ttl: i64) {
+    let topology = env.topology();
+    let name = format!("{}.wait.{tier}", env.prefix);
+    let mut args = topology.queue(&name).unwrap().arguments.clone();
+    args.insert("x-message-ttl".into(), ArgValue::Int(ttl));
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            name.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            field_table(&args),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn drift_fails_apply_and_verify_naming_queue_and_argument() {
+    let env = TestEnv::new(&["1s", "5s"]).await;
+    predeclare_wait_queue_with_ttl(&env, "1s", 2_000).await;
+    let queue = format!("{}.wait.1s", env.prefix);
+
+    let apply = env.lapse(&["topology", "apply"]);
+    let out = stdout(&apply);
+    assert_eq!(apply.status.code(), Some(1), "{out}");
+    let drift_line = out.lines().find(|l| l.starts_with("DRIFT")).expect(&out);
+    assert!(
+        drift_line.contains(&queue) && drift_line.contains("x-message-ttl"),
+        "{out}"
+    );
+    assert!(
+        drift_line.contains("2000") && drift_line.contains("1000"),
+        "{out}"
+    );
+    // The rest of the topology was still declared and reported.
+    assert!(
+        out.contains(&format!("declared  {}.wait.5s", env.prefix)),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("declared  {}.due", env.prefix)),
+        "{out}"
+    );
+
+    let verify = env.lapse(&["topology", "verify"]);
+    let out = stdout(&verify);
+    assert_eq!(verify.status.code(), Some(1), "{out}");
+    let failed: Vec<&str> = out.lines().filter(|l| l.starts_with("FAILED")).collect();
+    assert!(
+        failed
+            .iter()
+            .any(|l| l.contains(&queue) && l.contains("x-message-ttl")),
+        "{out}"
+    );
+
+    // Repaired (queue deleted and re-applied), verify passes.
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+    let verify = env.lapse(&["topology", "verify", "--json"]);
+    assert!(verify.status.success(), "{}", stdout(&verify));
+    let report: Value = serde_json::from_str(&stdout(&verify)).unwrap();
+    let checks = report["checks"].as_array().unwrap();
+    assert!(checks.iter().any(|c| c["check"] == "feature flag"
+        && c["subject"] == "quorum_queue"
+        && c["status"] == "ok"));
+    assert!(checks.iter().all(|c| c["status"] == "ok"));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn verify_without_management_says_what_it_could_not_check() {
+    let env = TestEnv::new(&["1s"]).await;
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+    std::fs::write(
+        env.config_path(),
+        format!(
+            "[broker]\nurl = {:?}\nprefix = {:?}\n[topology]\nfile = {:?}\n",
+            crate::helpers::amqp_url(),
+            env.prefix,
+            env.tier_path().display().to_string()
+        ),
+    )
+    .unwrap();
+    let verify = env.lapse(&["topology", "verify"]);
+    let out = stdout(&verify);
+    assert!(verify.status.success(), "{out}");
+    for check in ["feature flags", "policies", "bindings"] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("skipped") && l.contains(check)),
+            "{out}"
+        );
+    }
+    // A missing object is still found over AMQP alone.
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(env.names().parked().as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let verify = env.lapse(&["topology", "verify"]);
+    assert_eq!(verify.status.code(), Some(1));
+    assert!(
+        stdout(&verify)
+            .lines()
+            .any(|l| l.starts_with("FAILED") && l.contains("missing"))
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn prune_deletes_empty_orphans_and_keeps_those_holding_messages() {
+    let env = TestEnv::new(&["1s", "30m", "1h"]).await;
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    publish_to_tier(&publisher, &env, "1h", "still waiting").await;
+
+    env.write_tiers(&["1s"], "");
+    let plain = env.lapse(&["topology", "apply"]);
+    assert!(plain.status.success(), "{}", stdout(&plain));
+    let q = |tier: &str| format!("{}.wait.{tier}", env.prefix);
+    assert!(
+        env.management
+            .queue("/", &q("30m"))
+            .await
+            .unwrap()
+            .is_some(),
+        "apply alone never deletes"
+    );
+
+    let pruned = env.lapse(&["topology", "apply", "--prune"]);
+    let out = stdout(&pruned);
+    assert!(
+        pruned.status.success(),
+        "{out}{}",
+        crate::helpers::stderr(&pruned)
+    );
+    assert!(out.contains(&format!("deleted   {}", q("30m"))), "{out}");
+    assert!(
+        out.contains(&format!("kept      {} (1 messages", q("1h"))),
+        "{out}"
+    );
+    assert!(
+        env.management
+            .queue("/", &q("30m"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(env.management.queue("/", &q("1h")).await.unwrap().is_some());
+    env.cleanup().await;
+}
