@@ -24,6 +24,8 @@ pub enum BrokerError {
         #[source]
         source: lapin::Error,
     },
+    #[error("the broker cancelled the consumer (queue deleted?)")]
+    ConsumerEnded,
     #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
     Nacked {
         exchange: String,

@@ -10,13 +10,39 @@
 //! - [`topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
 //! - [`broker`]: AMQP connections, argument tables, publishing with confirms.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
+//! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
+//! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
+//! - [`message`]: the timeout message, its encoding and its next route.
+//! - [`close`]: the one guarded close path, shared by worker and sweeper.
+//! - [`worker`]: the due-queue consumer and its decision table.
+//! - [`relay`]: outbox -> broker with publisher confirms.
+//! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
+//! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
+//! - [`service`]: `lapse worker` — starts and supervises the components.
+//! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
+//! - [`stats`]: outcome counters and the lateness histogram.
+//! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`telemetry`]: structured logs.
 //! - [`cli`]: the command line.
 
+pub mod backoff;
+pub mod batch;
 pub mod broker;
 pub mod cli;
+pub mod close;
 pub mod config;
+pub mod db;
 pub mod management;
+pub mod message;
+pub mod orders;
+pub mod rate;
+pub mod relay;
+pub mod releaser;
+pub mod service;
+pub mod shutdown;
+pub mod stats;
+pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
 pub mod topology;
+pub mod worker;

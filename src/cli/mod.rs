@@ -3,7 +3,9 @@
 //! Exit status: 0 success, 1 the operation failed or was refused (drift, a payment
 //! after the deadline), 2 bad arguments or configuration.
 
+mod order;
 mod topology;
+mod worker;
 
 use std::path::PathBuf;
 
@@ -39,6 +41,15 @@ pub enum Command {
         #[command(subcommand)]
         action: topology::TopologyCommand,
     },
+    /// Create the database if needed and apply schema migrations (idempotent).
+    Migrate,
+    /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
+    Worker(worker::WorkerArgs),
+    /// Create, pay, extend or show orders.
+    Order {
+        #[command(subcommand)]
+        action: order::OrderCommand,
+    },
 }
 
 impl Cli {
@@ -54,6 +65,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
     let config = cli.load_config()?;
     match cli.command {
         Command::Topology { action } => topology::run(&config, action).await,
+        Command::Migrate => order::migrate(&config).await,
+        Command::Worker(args) => worker::run(config, args).await,
+        Command::Order { action } => order::run(&config, action).await,
     }
 }
 

@@ -1,0 +1,97 @@
+//! Gathering deliveries into batches: wait for the first, then take whatever else
+//! arrives within a short window, up to a size. Used by every consumer so that one
+//! database round trip serves many deliveries.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::BrokerError;
+
+/// A consumer on one queue plus a side channel of deliveries handed back for later
+/// (held timeouts).
+pub struct BatchSource {
+    consumer: lapin::Consumer,
+    returned: mpsc::UnboundedReceiver<Delivery>,
+    pub return_to: mpsc::UnboundedSender<Delivery>,
+    pub channel: lapin::Channel,
+}
+
+impl BatchSource {
+    /// Opens a channel with `prefetch` and starts consuming `queue`.
+    pub async fn open(
+        conn: &lapin::Connection,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(BrokerError::amqp("channel.open"))?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(BrokerError::amqp("basic.qos"))?;
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(BrokerError::amqp("basic.consume"))?;
+        let (return_to, returned) = mpsc::unbounded_channel();
+        Ok(Self {
+            consumer,
+            returned,
+            return_to,
+            channel,
+        })
+    }
+
+    /// The next batch; `Ok(None)` once `token` is cancelled.
+    pub async fn next(
+        &mut self,
+        size: usize,
+        window: Duration,
+        token: &CancellationToken,
+    ) -> Result<Option<Vec<Delivery>>, BrokerError> {
+        let first = tokio::select! {
+            biased;
+            _ = token.cancelled() => return Ok(None),
+            Some(d) = self.returned.recv() => d,
+            next = self.consumer.next() => Self::unwrap(next)?,
+        };
+        let mut batch = vec![first];
+        let until = tokio::time::Instant::now() + window;
+        while batch.len() < size {
+            tokio::select! {
+                biased;
+                Some(d) = self.returned.recv() => batch.push(d),
+                next = self.consumer.next() => batch.push(Self::unwrap(next)?),
+                _ = tokio::time::sleep_until(until) => break,
+            }
+        }
+        Ok(Some(batch))
+    }
+
+    fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {
+        match next {
+            Some(Ok(d)) => Ok(d),
+            Some(Err(e)) => Err(BrokerError::amqp("consume")(e)),
+            None => Err(BrokerError::ConsumerEnded),
+        }
+    }
+
+    /// Stops consuming and closes the channel; unacknowledged deliveries go back to
+    /// the queue.
+    pub async fn close(self) {
+        let _ = self.channel.close(200, "shutting down".into()).await;
+    }
+}

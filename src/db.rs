@@ -1,0 +1,122 @@
+//! PostgreSQL: connection pools, database creation and schema migrations.
+//!
+//! Invariant: migrations run under an advisory lock, so several workers starting at
+//! once apply each migration exactly once.
+
+use std::str::FromStr;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use crate::config::Secret;
+
+refinery::embed_migrations!("migrations");
+
+/// Advisory lock key serialising migrations ("lapse" in ASCII).
+const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("database error: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("database pool error: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    #[error("database configuration error: {0}")]
+    Config(String),
+    #[error("migration failed: {0}")]
+    Migration(#[from] refinery::Error),
+}
+
+impl DbError {
+    /// True when retrying later may succeed (connection trouble, not a bad query).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            DbError::Pool(_) => true,
+            DbError::Postgres(e) => e.is_closed() || e.code().is_none(),
+            _ => false,
+        }
+    }
+}
+
+pub fn pg_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
+    tokio_postgres::Config::from_str(url.expose())
+        .map_err(|_| DbError::Config("database.url is not a valid PostgreSQL URL".into()))
+}
+
+/// A pool of `size` connections; connections are opened lazily.
+pub fn pool(url: &Secret, size: usize) -> Result<Pool, DbError> {
+    let mut config = pg_config(url)?;
+    config.connect_timeout(std::time::Duration::from_secs(5));
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .wait_timeout(Some(std::time::Duration::from_secs(10)))
+        .create_timeout(Some(std::time::Duration::from_secs(5)))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| DbError::Config(e.to_string()))
+}
+
+/// One connection outside any pool (for LISTEN and administration).
+pub async fn connect(
+    config: &tokio_postgres::Config,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+    ),
+    DbError,
+> {
+    Ok(config.connect(NoTls).await?)
+}
+
+/// Creates the database named in `url` when it does not exist (connecting to the
+/// `postgres` database of the same server to do so).
+pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
+    let config = pg_config(url)?;
+    let Some(name) = config.get_dbname().map(str::to_string) else {
+        return Ok(());
+    };
+    if connect(&config).await.is_ok() {
+        return Ok(());
+    }
+    let mut admin = config.clone();
+    admin.dbname("postgres");
+    let (client, connection) = connect(&admin).await?;
+    tokio::spawn(connection);
+    let exists = client
+        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
+        .await?
+        .is_some();
+    if !exists {
+        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+        client
+            .batch_execute(&format!("CREATE DATABASE {quoted}"))
+            .await?;
+        tracing::info!(database = %name, "created database");
+    }
+    Ok(())
+}
+
+/// Applies pending migrations; returns how many were applied.
+pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
+    ensure_database(url).await?;
+    let (mut client, connection) = connect(&pg_config(url)?).await?;
+    let driver = tokio::spawn(connection);
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    let report = migrations::runner().run_async(&mut client).await;
+    let _ = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .await;
+    drop(client);
+    let _ = driver.await;
+    Ok(report?.applied_migrations().len())
+}

@@ -1,0 +1,203 @@
+//! The timeout message: what travels through the tiers, how it is encoded, and where
+//! it is routed next.
+//!
+//! Invariant: every hop carries the same `expire_at` and `deadline_version`; only
+//! `attempt` (database retries) and `hops` change. The message is a reminder; the
+//! database decides.
+
+use chrono::{DateTime, Duration as ChronoDuration, Utc};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use serde::{Deserialize, Serialize};
+
+use crate::tier::{NextHop, Tier, TierSet};
+use crate::topology::{DUE_ROUTING_KEY, Names};
+
+pub const MESSAGE_VERSION: u32 = 1;
+/// Header set on messages the worker parks.
+pub const PARK_REASON_HEADER: &str = "x-lapse-park-reason";
+
+/// A timeout for one (order, deadline version).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimeoutMessage {
+    pub v: u32,
+    pub order_id: i64,
+    #[serde(with = "millis")]
+    pub expire_at: DateTime<Utc>,
+    pub deadline_version: i32,
+    /// Database retries so far.
+    #[serde(default)]
+    pub attempt: u32,
+    /// Wait-queue publishes so far.
+    #[serde(default)]
+    pub hops: u32,
+}
+
+/// Why a body is not a timeout message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("body is not a JSON timeout message: {0}")]
+    Malformed(String),
+    #[error("unknown message version {0} (this worker understands {MESSAGE_VERSION})")]
+    UnknownVersion(u64),
+}
+
+#[derive(Deserialize)]
+struct VersionOnly {
+    v: u64,
+}
+
+impl TimeoutMessage {
+    pub fn new(order_id: i64, expire_at: DateTime<Utc>, deadline_version: i32) -> Self {
+        Self {
+            v: MESSAGE_VERSION,
+            order_id,
+            expire_at,
+            deadline_version,
+            attempt: 0,
+            hops: 0,
+        }
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        let version: VersionOnly =
+            serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        if version.v != u64::from(MESSAGE_VERSION) {
+            return Err(DecodeError::UnknownVersion(version.v));
+        }
+        serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a timeout message always serialises")
+    }
+
+    /// Stable per (order, deadline version): duplicates share it.
+    pub fn message_id(&self) -> String {
+        format!("order-{}-v{}", self.order_id, self.deadline_version)
+    }
+
+    pub fn properties(&self) -> BasicProperties {
+        BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"))
+            .with_message_id(ShortString::from(self.message_id()))
+    }
+
+    /// Time left until the deadline by the database clock (zero once passed).
+    pub fn remaining(&self, db_now: DateTime<Utc>) -> std::time::Duration {
+        (self.expire_at - db_now)
+            .max(ChronoDuration::zero())
+            .to_std()
+            .unwrap_or_default()
+    }
+}
+
+/// Where to publish a timeout next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub exchange: String,
+    pub routing_key: String,
+    /// The wait tier, or `None` when it goes straight to the due queue.
+    pub tier: Option<Tier>,
+}
+
+impl Route {
+    /// SPEC "Choosing a tier": a wait tier when one fits, else straight to the due
+    /// queue (the worker waits out a remainder shorter than the smallest tier).
+    pub fn for_remaining(
+        names: &Names,
+        tiers: &TierSet,
+        remaining: std::time::Duration,
+        tolerance: std::time::Duration,
+    ) -> Self {
+        match tiers.next_hop(remaining, tolerance) {
+            NextHop::Wait(tier) => Self::tier(names, tier),
+            NextHop::Hold(_) | NextHop::Due => Self {
+                exchange: names.due_exchange(),
+                routing_key: DUE_ROUTING_KEY.to_string(),
+                tier: None,
+            },
+        }
+    }
+
+    pub fn tier(names: &Names, tier: Tier) -> Self {
+        Self {
+            exchange: names.delay_exchange(),
+            routing_key: tier.name(),
+            tier: Some(tier),
+        }
+    }
+}
+
+/// Properties of a parked copy: the original's, plus the reason header.
+pub fn parked_properties(original: &BasicProperties, reason: &str) -> BasicProperties {
+    let mut headers = original.headers().clone().unwrap_or_default();
+    headers.insert(
+        ShortString::from(PARK_REASON_HEADER),
+        AMQPValue::LongString(LongString::from(reason)),
+    );
+    original.clone().with_headers(headers)
+}
+
+/// Reads the reason header of a parked message.
+pub fn park_reason(headers: Option<&FieldTable>) -> Option<String> {
+    match headers?.inner().get(PARK_REASON_HEADER)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+mod millis {
+    //! `expire_at` as RFC 3339 with millisecond precision, UTC.
+    use chrono::{DateTime, SecondsFormat, Utc};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::Millis, true))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        let text = String::deserialize(d)?;
+        DateTime::parse_from_rfc3339(&text)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_with_millisecond_precision() {
+        let at = DateTime::parse_from_rfc3339("2026-12-02T10:15:00.123Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let m = TimeoutMessage::new(42, at, 3);
+        let body = String::from_utf8(m.encode()).unwrap();
+        assert!(
+            body.contains("\"expire_at\":\"2026-12-02T10:15:00.123Z\""),
+            "{body}"
+        );
+        assert_eq!(TimeoutMessage::decode(body.as_bytes()).unwrap(), m);
+        assert_eq!(m.message_id(), "order-42-v3");
+    }
+
+    #[test]
+    fn rejects_garbage_and_unknown_versions() {
+        assert!(matches!(
+            TimeoutMessage::decode(b"\xff garbage"),
+            Err(DecodeError::Malformed(_))
+        ));
+        assert_eq!(
+            TimeoutMessage::decode(br#"{"v": 2, "order_id": 1}"#),
+            Err(DecodeError::UnknownVersion(2))
+        );
+        assert!(matches!(
+            TimeoutMessage::decode(br#"{"v": 1, "order_id": "x"}"#),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+}

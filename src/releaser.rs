@@ -1,0 +1,163 @@
+//! The stock releaser: consumes `<P>.stock.release` and returns a closed order's
+//! reserved stock. The ledger's primary key (order, sku, 'release') makes a repeated
+//! event a no-op; ledger rows and stock changes commit in one statement. The order
+//! lines come from the database, not from the message.
+
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::batch::BatchSource;
+use crate::broker::{self, BrokerError, Publisher};
+use crate::config::Secret;
+use crate::db::DbError;
+use crate::message::parked_properties;
+use crate::stats::{Outcome, Stats};
+use crate::topology::Names;
+
+#[derive(Deserialize)]
+struct ReleaseEvent {
+    order_id: i64,
+}
+
+const RELEASE_SQL: &str = "
+WITH released AS (
+    INSERT INTO stock_ledger (order_id, sku, kind, qty)
+    SELECT l.order_id, l.sku, 'release', l.qty
+      FROM order_lines l JOIN orders o ON o.id = l.order_id
+     WHERE l.order_id = ANY($1) AND o.status = 'CLOSED'
+     ORDER BY l.sku, l.order_id
+    ON CONFLICT DO NOTHING
+    RETURNING sku, qty
+),
+restocked AS (
+    UPDATE stock s
+       SET available = s.available + r.qty, reserved = s.reserved - r.qty
+      FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
+     WHERE s.sku = r.sku
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM restocked)";
+
+#[derive(Clone)]
+pub struct Releaser {
+    pub pool: Pool,
+    pub names: Names,
+    pub stats: Stats,
+    pub prefetch: u16,
+    pub batch_size: usize,
+    pub batch_window: Duration,
+}
+
+impl Releaser {
+    /// Applies the releases of these orders; returns how many (order, sku) rows were new.
+    pub async fn release(&self, order_ids: &[i64]) -> Result<i64, DbError> {
+        let client = self.pool.get().await?;
+        let row = client.query_one(RELEASE_SQL, &[&order_ids]).await?;
+        Ok(row.get(0))
+    }
+
+    pub async fn run(self, broker_url: Secret, token: CancellationToken) {
+        let mut backoff = Backoff::new();
+        while !token.is_cancelled() {
+            match self.session(&broker_url, &token).await {
+                Ok(()) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "releaser: broker session ended; reconnecting");
+                    backoff.sleep(&token).await;
+                }
+            }
+        }
+    }
+
+    async fn session(
+        &self,
+        broker_url: &Secret,
+        token: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        let conn = broker::connect(broker_url, "lapse releaser").await?;
+        let publisher = Publisher::new(&conn).await?;
+        let queue = self.names.stock_release_queue();
+        let mut source = BatchSource::open(&conn, &queue, self.prefetch).await?;
+        let result = loop {
+            match source.next(self.batch_size, self.batch_window, token).await {
+                Ok(Some(batch)) => {
+                    if let Err(e) = self.process(batch, &publisher).await {
+                        break Err(e);
+                    }
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        source.close().await;
+        let _ = conn.close(200, "releaser stopping".into()).await;
+        result
+    }
+
+    async fn process(
+        &self,
+        batch: Vec<Delivery>,
+        publisher: &Publisher,
+    ) -> Result<(), BrokerError> {
+        let mut ids = Vec::new();
+        let mut good = Vec::new();
+        for delivery in batch {
+            match serde_json::from_slice::<ReleaseEvent>(&delivery.data) {
+                Ok(event) => {
+                    ids.push(event.order_id);
+                    good.push(delivery);
+                }
+                Err(e) => {
+                    let reason = format!("not a stock-release event: {e}");
+                    tracing::warn!(%reason, "releaser: parking a message");
+                    let properties = parked_properties(&delivery.properties, &reason);
+                    publisher
+                        .publish(&self.names.parked(), "", &delivery.data, properties)
+                        .await?;
+                    self.ack(&delivery).await?;
+                    self.stats.record(Outcome::Parked, 1);
+                }
+            }
+        }
+        if good.is_empty() {
+            return Ok(());
+        }
+        match self.release(&ids).await {
+            Ok(applied) => {
+                self.stats.record(Outcome::Released, applied as u64);
+                for d in &good {
+                    self.ack(d).await?;
+                }
+            }
+            Err(e) => {
+                // Deadlock or outage: the broker redelivers (the delivery limit parks a poison one).
+                tracing::warn!(error = %e, "releaser: database error; returning deliveries to the queue");
+                for d in &good {
+                    let _ = d
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Ok(())
+    }
+
+    async fn ack(&self, d: &Delivery) -> Result<(), BrokerError> {
+        d.acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(BrokerError::amqp("basic.ack"))
+    }
+}

@@ -1,0 +1,122 @@
+//! Counters for every outcome of the worker's decision table, tier hops, sweeper and
+//! relay work, and the close-lateness histogram. Each is kept in-process (for
+//! `run_once` callers and tests) and mirrored to the `metrics` facade (for the
+//! Prometheus exporter), with labels of few values.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What happened to one delivery, or one unit of background work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Undecodable or unknown version: parked with the reason.
+    Parked,
+    /// No such order.
+    Missing,
+    /// Already PAID or CLOSED.
+    Settled,
+    /// The message's deadline version is not the order's.
+    Stale,
+    /// Not due yet: published to a wait tier again.
+    Redelayed,
+    /// Not due yet, shorter than the smallest tier: waited out in the worker.
+    Held,
+    /// Closed by the worker.
+    Closed,
+    /// Due, but the guarded close changed nothing (a payment or close won the race).
+    Raced,
+    /// Database unavailable: re-delayed with attempt+1.
+    Retried,
+    /// Database unavailable for too many attempts: parked.
+    GaveUp,
+    /// Closed by the sweeper (should stay near zero).
+    SweptClosed,
+    /// Relay: outbox rows published and deleted.
+    Relayed,
+    /// Stock releaser: (order, sku) releases applied.
+    Released,
+}
+
+pub const ALL_OUTCOMES: [Outcome; 13] = [
+    Outcome::Parked,
+    Outcome::Missing,
+    Outcome::Settled,
+    Outcome::Stale,
+    Outcome::Redelayed,
+    Outcome::Held,
+    Outcome::Closed,
+    Outcome::Raced,
+    Outcome::Retried,
+    Outcome::GaveUp,
+    Outcome::SweptClosed,
+    Outcome::Relayed,
+    Outcome::Released,
+];
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Parked => "parked",
+            Outcome::Missing => "missing",
+            Outcome::Settled => "settled",
+            Outcome::Stale => "stale",
+            Outcome::Redelayed => "redelayed",
+            Outcome::Held => "held",
+            Outcome::Closed => "closed",
+            Outcome::Raced => "raced",
+            Outcome::Retried => "retried",
+            Outcome::GaveUp => "gave_up",
+            Outcome::SweptClosed => "swept_closed",
+            Outcome::Relayed => "relayed",
+            Outcome::Released => "released",
+        }
+    }
+
+    fn index(self) -> usize {
+        ALL_OUTCOMES
+            .iter()
+            .position(|o| *o == self)
+            .expect("listed")
+    }
+}
+
+/// Shared counters; cheap to clone.
+#[derive(Clone, Default)]
+pub struct Stats {
+    counts: Arc<[AtomicU64; 13]>,
+}
+
+impl Stats {
+    pub fn record(&self, outcome: Outcome, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.counts[outcome.index()].fetch_add(n, Ordering::Relaxed);
+        metrics::counter!("lapse_outcomes_total", "outcome" => outcome.as_str()).increment(n);
+    }
+
+    pub fn get(&self, outcome: Outcome) -> u64 {
+        self.counts[outcome.index()].load(Ordering::Relaxed)
+    }
+
+    /// A tier hop (a publish to a wait queue); `tier` is `None` for the due queue.
+    pub fn hop(&self, tier: Option<&str>) {
+        metrics::counter!("lapse_tier_hops_total", "tier" => tier.unwrap_or("due").to_string())
+            .increment(1);
+    }
+
+    /// Close time minus deadline of one closed order.
+    pub fn lateness(&self, lateness: std::time::Duration, by: &'static str) {
+        metrics::histogram!("lapse_close_lateness_seconds", "by" => by)
+            .record(lateness.as_secs_f64());
+    }
+
+    /// Every non-zero counter, for logs and summaries.
+    pub fn summary(&self) -> Vec<(&'static str, u64)> {
+        ALL_OUTCOMES
+            .iter()
+            .map(|o| (o.as_str(), self.get(*o)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+}

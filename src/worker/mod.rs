@@ -1,0 +1,248 @@
+//! The due-queue consumer: batches deliveries, asks the [`Decider`] what to do with
+//! each, and carries it out — publish (re-delay, retry, park) with confirms and only
+//! then acknowledge; hold a short remainder unacknowledged; acknowledge settled ones.
+//!
+//! Invariants: a delivery is acknowledged only after its database transaction
+//! committed and any publish it needed was confirmed; a crash anywhere before that
+//! leaves it unacknowledged, so the broker redelivers it and the guarded close makes
+//! the repeat harmless.
+
+mod decide;
+
+pub use decide::{Action, Decider};
+
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use lapin::BasicProperties;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::batch::BatchSource;
+use crate::broker::{self, BrokerError, Publisher};
+use crate::config::{Config, Secret};
+use crate::message::{TimeoutMessage, parked_properties};
+use crate::rate::RateLimiter;
+use crate::stats::{Outcome, Stats};
+use crate::tier::TierSet;
+use crate::topology::Names;
+
+#[derive(Clone)]
+pub struct Consumer {
+    pub decider: Decider,
+    pub names: Names,
+    pub stats: Stats,
+    pub prefetch: u16,
+    pub batch_size: usize,
+    pub batch_window: Duration,
+    pub limiter: RateLimiter,
+}
+
+/// What one batch did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct BatchReport {
+    pub deliveries: usize,
+    pub acked: usize,
+    pub held: usize,
+    /// Publishes the broker refused; those deliveries were returned to the queue.
+    pub requeued: usize,
+}
+
+impl Consumer {
+    pub fn new(config: &Config, pool: Pool, tiers: TierSet, stats: Stats) -> Self {
+        let names = config.names();
+        let w = &config.worker;
+        Self {
+            decider: Decider {
+                pool,
+                names: names.clone(),
+                tiers,
+                tolerance: w.tier_tolerance,
+                max_attempts: w.max_attempts,
+                retry_backoff: w.retry_backoff,
+            },
+            names,
+            stats,
+            prefetch: w.prefetch,
+            batch_size: w.batch_size.min(usize::from(w.prefetch)),
+            batch_window: w.batch_window,
+            limiter: RateLimiter::new(w.closes_per_second),
+        }
+    }
+
+    /// Consumes until `token` is cancelled, reconnecting with back-off.
+    pub async fn run(self, broker_url: Secret, token: CancellationToken) {
+        let mut backoff = Backoff::new();
+        while !token.is_cancelled() {
+            match self.session(&broker_url, &token).await {
+                Ok(()) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker: broker session ended; reconnecting");
+                    backoff.sleep(&token).await;
+                }
+            }
+        }
+    }
+
+    async fn session(
+        &self,
+        broker_url: &Secret,
+        token: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        let conn = broker::connect(broker_url, "lapse worker").await?;
+        let publisher = Publisher::new(&conn).await?;
+        let mut source = BatchSource::open(&conn, &self.names.due_queue(), self.prefetch).await?;
+        tracing::info!(queue = %self.names.due_queue(), prefetch = self.prefetch, "worker: consuming");
+        let result = loop {
+            match source.next(self.batch_size, self.batch_window, token).await {
+                Ok(Some(batch)) => {
+                    if let Err(e) = self.process(batch, &publisher, &source).await {
+                        break Err(e);
+                    }
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        source.close().await;
+        let _ = conn.close(200, "worker stopping".into()).await;
+        result
+    }
+
+    /// Decides and carries out one batch.
+    #[tracing::instrument(skip_all, fields(size = batch.len()))]
+    pub async fn process(
+        &self,
+        batch: Vec<Delivery>,
+        publisher: &Publisher,
+        source: &BatchSource,
+    ) -> Result<BatchReport, BrokerError> {
+        let mut report = BatchReport {
+            deliveries: batch.len(),
+            ..Default::default()
+        };
+        let messages: Vec<_> = batch
+            .iter()
+            .map(|d| TimeoutMessage::decode(&d.data))
+            .collect();
+        self.limiter
+            .acquire(messages.iter().filter(|m| m.is_ok()).count())
+            .await;
+        let (actions, closed) = self.decider.decide(&messages).await;
+        for c in &closed {
+            self.stats.lateness(c.lateness(), "timeout");
+        }
+        let mut to_publish = Vec::new();
+        let mut waiting = Vec::new();
+        let mut hops = Vec::new();
+        for (delivery, action) in batch.into_iter().zip(actions) {
+            match action {
+                Action::Ack(outcome) => {
+                    ack(&delivery).await?;
+                    self.stats.record(outcome, 1);
+                    report.acked += 1;
+                }
+                Action::Hold(after) => {
+                    self.stats.record(Outcome::Held, 1);
+                    report.held += 1;
+                    let back = source.return_to.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        let _ = back.send(delivery);
+                    });
+                }
+                Action::Publish {
+                    route,
+                    message,
+                    outcome,
+                } => {
+                    let tier = route.tier.map(|t| t.name());
+                    self.stats.hop(tier.as_deref());
+                    hops.push((message.order_id, json!({
+                        "tier": tier, "by": "worker", "deadline_version": message.deadline_version,
+                        "attempt": message.attempt,
+                    })));
+                    to_publish.push((
+                        route.exchange,
+                        route.routing_key,
+                        message.encode(),
+                        message.properties(),
+                    ));
+                    waiting.push((delivery, outcome));
+                }
+                Action::Park { reason, outcome } => {
+                    tracing::warn!(%reason, "worker: parking a message");
+                    let properties: BasicProperties =
+                        parked_properties(&delivery.properties, &reason);
+                    to_publish.push((
+                        self.names.parked(),
+                        String::new(),
+                        delivery.data.clone(),
+                        properties,
+                    ));
+                    waiting.push((delivery, outcome));
+                }
+            }
+        }
+        let results = publisher.publish_all(to_publish).await;
+        let mut broken = None;
+        for ((delivery, outcome), result) in waiting.into_iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    ack(&delivery).await?;
+                    self.stats.record(outcome, 1);
+                    report.acked += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker: publish refused; returning the delivery to the queue");
+                    let _ = delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await;
+                    report.requeued += 1;
+                    if !matches!(e, BrokerError::Nacked { .. }) {
+                        broken = Some(e);
+                    }
+                }
+            }
+        }
+        self.record_hops(hops).await;
+        match broken {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Best effort: the timeline is for people, the decision never depends on it.
+    async fn record_hops(&self, hops: Vec<(i64, serde_json::Value)>) {
+        if hops.is_empty() {
+            return;
+        }
+        let (ids, details): (Vec<i64>, Vec<serde_json::Value>) = hops.into_iter().unzip();
+        let Ok(client) = self.decider.pool.get().await else {
+            return;
+        };
+        let _ = client
+            .execute(
+                "INSERT INTO order_events (order_id, event, detail)
+                 SELECT id, 'hop', d FROM unnest($1::bigint[], $2::jsonb[]) AS x(id, d)",
+                &[&ids, &details],
+            )
+            .await;
+    }
+}
+
+async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(BrokerError::amqp("basic.ack"))
+}
