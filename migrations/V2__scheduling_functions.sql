@@ -1,6 +1,10 @@
 -- Scheduling, extension and payment as SQL functions: any language calls them inside
 -- its own transaction, so the order and its timeout intent commit (or roll back)
 -- together. The Rust API (lapse::orders) calls the same functions.
+--
+-- Lock order: every statement that changes several stock rows locks them in SKU order
+-- (here, in the stock releaser and in payment), so concurrent reservations, payments
+-- and releases never deadlock.
 
 -- A timeout intent for the relay; expire_at in ms precision.
 CREATE FUNCTION lapse_timeout_intent(p_order_id bigint, p_expire_at timestamptz, p_version integer)
@@ -23,7 +27,7 @@ DECLARE
     v_line   record;
 BEGIN
     INSERT INTO orders (expire_at) VALUES (v_expire) RETURNING id INTO v_id;
-    FOR v_line IN SELECT * FROM jsonb_to_recordset(p_lines) AS l(sku text, qty integer) LOOP
+    FOR v_line IN SELECT * FROM jsonb_to_recordset(p_lines) AS l(sku text, qty integer) ORDER BY sku LOOP
         INSERT INTO order_lines (order_id, sku, qty) VALUES (v_id, v_line.sku, v_line.qty);
         UPDATE stock SET available = available - v_line.qty, reserved = reserved + v_line.qty
          WHERE sku = v_line.sku AND available >= v_line.qty;
@@ -73,6 +77,8 @@ BEGIN
     UPDATE orders SET status = 'PAID', paid_at = now()
      WHERE id = p_order_id AND status = 'UNPAID' AND expire_at > now();
     IF FOUND THEN
+        PERFORM 1 FROM stock WHERE sku IN (SELECT sku FROM order_lines WHERE order_id = p_order_id)
+          ORDER BY sku FOR UPDATE;
         UPDATE stock s SET reserved = s.reserved - l.qty, sold = s.sold + l.qty
           FROM order_lines l WHERE l.order_id = p_order_id AND s.sku = l.sku;
         INSERT INTO stock_ledger (order_id, sku, kind, qty)

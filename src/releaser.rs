@@ -1,7 +1,8 @@
 //! The stock releaser: consumes `<P>.stock.release` and returns a closed order's
 //! reserved stock. The ledger's primary key (order, sku, 'release') makes a repeated
 //! event a no-op; ledger rows and stock changes commit in one statement. The order
-//! lines come from the database, not from the message.
+//! lines come from the database, not from the message. Stock rows are locked in SKU
+//! order, like every other writer of stock, so releases never deadlock with orders.
 
 use std::time::Duration;
 
@@ -31,7 +32,6 @@ WITH released AS (
     SELECT l.order_id, l.sku, 'release', l.qty
       FROM order_lines l JOIN orders o ON o.id = l.order_id
      WHERE l.order_id = ANY($1) AND o.status = 'CLOSED'
-     ORDER BY l.sku, l.order_id
     ON CONFLICT DO NOTHING
     RETURNING sku, qty
 ),
@@ -57,8 +57,18 @@ pub struct Releaser {
 impl Releaser {
     /// Applies the releases of these orders; returns how many (order, sku) rows were new.
     pub async fn release(&self, order_ids: &[i64]) -> Result<i64, DbError> {
-        let client = self.pool.get().await?;
-        let row = client.query_one(RELEASE_SQL, &[&order_ids]).await?;
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        // Lock the stock rows in SKU order first, as every writer of stock does.
+        tx.execute(
+            "SELECT 1 FROM stock WHERE sku IN
+                    (SELECT sku FROM order_lines WHERE order_id = ANY($1))
+              ORDER BY sku FOR UPDATE",
+            &[&order_ids],
+        )
+        .await?;
+        let row = tx.query_one(RELEASE_SQL, &[&order_ids]).await?;
+        tx.commit().await?;
         Ok(row.get(0))
     }
 

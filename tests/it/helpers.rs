@@ -6,9 +6,14 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use lapse::config::Secret;
+use std::time::{Duration, Instant};
+
+use lapse::config::{Config, Secret};
 use lapse::management::Management;
+use lapse::service::Service;
+use lapse::stats::Stats;
 use lapse::topology::{Names, TierFile, Topology};
+use tokio_util::sync::CancellationToken;
 
 pub fn amqp_url() -> String {
     std::env::var("LAPSE_TEST_AMQP_URL")
@@ -18,6 +23,18 @@ pub fn amqp_url() -> String {
 pub fn management_url() -> String {
     std::env::var("LAPSE_TEST_MANAGEMENT_URL")
         .unwrap_or_else(|_| "http://guest:guest@127.0.0.1:15672".into())
+}
+
+pub fn database_admin_url() -> String {
+    std::env::var("LAPSE_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// The admin URL with another database name.
+pub fn database_url(name: &str) -> String {
+    let admin = database_admin_url();
+    let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
+    format!("{base}/{name}")
 }
 
 pub fn init_logs() {
@@ -46,6 +63,8 @@ pub struct TestEnv {
     pub dir: tempfile::TempDir,
     pub conn: lapin::Connection,
     pub management: Management,
+    /// The fresh database of this test, when it asked for one.
+    pub database: Option<String>,
     extra_queues: Vec<String>,
     extra_prefixes_cleaned: bool,
 }
@@ -63,12 +82,76 @@ impl TestEnv {
                 .await
                 .expect("RabbitMQ must be running (scripts/services.sh starts it)"),
             management: Management::new(&Secret::new(management_url())).unwrap(),
+            database: None,
             extra_queues: Vec::new(),
             extra_prefixes_cleaned: false,
         };
         env.write_tiers(tiers, "");
         env.write_config("");
         env
+    }
+
+    /// Also a fresh, migrated database and the applied topology.
+    pub async fn with_database(tiers: &[&str]) -> Self {
+        let mut env = Self::new(tiers).await;
+        env.database = Some(env.prefix.clone());
+        lapse::db::migrate(&Secret::new(env.database_url()))
+            .await
+            .expect("PostgreSQL must be running (scripts/services.sh starts it)");
+        let report = lapse::topology::apply(&env.conn, &env.topology())
+            .await
+            .unwrap();
+        assert!(report.ok(), "{report:?}");
+        env.write_config(&format!("[database]\nurl = {:?}\n", env.database_url()));
+        env
+    }
+
+    pub fn database_url(&self) -> String {
+        database_url(self.database.as_deref().unwrap_or("postgres"))
+    }
+
+    /// A configuration for in-process components: this prefix, database and tiers;
+    /// short batch window; the sweeper off (tests of the message path must not be
+    /// rescued by it).
+    pub fn config(&self) -> Config {
+        let mut c = Config::default();
+        c.broker.url = Secret::new(amqp_url());
+        c.broker.management_url = Some(Secret::new(management_url()));
+        c.broker.prefix = self.prefix.clone();
+        c.database.url = Secret::new(self.database_url());
+        c.database.pool_size = 4;
+        c.topology.file = self.tier_path();
+        c.worker.sweeper = false;
+        c.worker.migrate_on_start = false;
+        c.worker.tier_tolerance = Duration::from_millis(100);
+        c.worker.retry_backoff = Duration::from_millis(250);
+        c.worker.drain_timeout = Duration::from_secs(5);
+        c.relay.poll_interval = Duration::from_millis(200);
+        c
+    }
+
+    /// A direct connection to this test's database.
+    pub async fn db(&self) -> tokio_postgres::Client {
+        let (client, connection) =
+            tokio_postgres::connect(&self.database_url(), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        client
+    }
+
+    /// Starts `lapse worker` in-process.
+    pub async fn start(&self, config: &Config) -> Running {
+        let token = CancellationToken::new();
+        let stats = Stats::default();
+        let service = Service::start(config, stats.clone(), token.clone())
+            .await
+            .unwrap();
+        Running {
+            token,
+            stats,
+            join: tokio::spawn(service.wait()),
+        }
     }
 
     pub fn names(&self) -> Names {
@@ -159,6 +242,9 @@ impl TestEnv {
                     .await;
             }
         }
+        if let Some(name) = &self.database {
+            drop_database(name).await;
+        }
     }
 
     fn topology_names(&self) -> (Vec<String>, Vec<String>) {
@@ -186,6 +272,7 @@ impl Drop for TestEnv {
         // The test failed before cleanup: clean up on a thread with its own runtime.
         let prefix = self.prefix.clone();
         let queues = self.extra_queues.clone();
+        let database = self.database.clone();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async move {
@@ -197,6 +284,7 @@ impl Drop for TestEnv {
                     dir: tempfile::tempdir().unwrap(),
                     conn,
                     management: Management::new(&Secret::new(management_url())).unwrap(),
+                    database,
                     extra_queues: queues,
                     extra_prefixes_cleaned: true,
                 };
@@ -225,4 +313,54 @@ pub fn stdout(o: &Output) -> String {
 
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub async fn drop_database(name: &str) {
+    if let Ok((client, connection)) =
+        tokio_postgres::connect(&database_admin_url(), tokio_postgres::NoTls).await
+    {
+        tokio::spawn(connection);
+        let _ = client
+            .batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+            .await;
+    }
+}
+
+/// An in-process `lapse worker`.
+pub struct Running {
+    pub token: CancellationToken,
+    pub stats: Stats,
+    join: tokio::task::JoinHandle<Vec<String>>,
+}
+
+impl Running {
+    /// Cancels and waits for the drain; returns what had to be abandoned.
+    pub async fn stop(self) -> Vec<String> {
+        self.token.cancel();
+        self.join.await.unwrap()
+    }
+}
+
+/// Polls `probe` until it returns `Some`, or panics after `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Counts rows of a query returning one bigint.
+pub async fn count(db: &tokio_postgres::Client, sql: &str) -> i64 {
+    db.query_one(sql, &[]).await.unwrap().get(0)
 }

@@ -4,4 +4,7 @@
 
 mod config_cli;
 mod helpers;
+mod outage;
+mod pipeline;
+mod private_pg;
 mod topology;
