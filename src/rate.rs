@@ -1,5 +1,8 @@
 //! A token bucket bounding closes per second, so a backlog drains at the configured
-//! rate rather than at whatever rate the broker can dump it.
+//! rate rather than at whatever rate the broker can dump it. Callers pay for what they
+//! closed after closing it (the bucket may go into debt); the next caller waits the
+//! debt off. Charging only real closes keeps duplicates, stale messages and orders the
+//! other path already closed from eating the budget.
 
 use std::sync::Arc;
 use std::time::Duration;

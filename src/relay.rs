@@ -150,6 +150,7 @@ impl Relay {
         .await?;
         tx.commit().await?;
         self.stats.record(Outcome::Relayed, sent_ids.len() as u64);
+        self.stats.record(Outcome::PublishRefused, refused as u64);
         if let Some(e) = broken {
             return Err(e.into());
         }

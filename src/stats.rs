@@ -33,11 +33,13 @@ pub enum Outcome {
     SweptClosed,
     /// Relay: outbox rows published and deleted.
     Relayed,
+    /// Publishes the broker refused (a full tier with `reject-publish`); retried later.
+    PublishRefused,
     /// Stock releaser: (order, sku) releases applied.
     Released,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 13] = [
+pub const ALL_OUTCOMES: [Outcome; 14] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
@@ -50,6 +52,7 @@ pub const ALL_OUTCOMES: [Outcome; 13] = [
     Outcome::GaveUp,
     Outcome::SweptClosed,
     Outcome::Relayed,
+    Outcome::PublishRefused,
     Outcome::Released,
 ];
 
@@ -68,6 +71,7 @@ impl Outcome {
             Outcome::GaveUp => "gave_up",
             Outcome::SweptClosed => "swept_closed",
             Outcome::Relayed => "relayed",
+            Outcome::PublishRefused => "publish_refused",
             Outcome::Released => "released",
         }
     }
@@ -83,7 +87,7 @@ impl Outcome {
 /// Shared counters; cheap to clone.
 #[derive(Clone, Default)]
 pub struct Stats {
-    counts: Arc<[AtomicU64; 13]>,
+    counts: Arc<[AtomicU64; 14]>,
 }
 
 impl Stats {

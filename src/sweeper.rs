@@ -83,10 +83,10 @@ impl Sweeper {
                     hops: 0,
                 })
                 .collect();
-            self.limiter.acquire(candidates.len()).await;
             let tx = client.transaction().await?;
             let closed = close::close_due(&*tx, &candidates, CloseReason::Sweeper).await?;
             tx.commit().await?;
+            self.limiter.acquire(closed.len()).await;
             for c in &closed {
                 self.stats.lateness(c.lateness(), "sweeper");
             }

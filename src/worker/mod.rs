@@ -96,13 +96,15 @@ impl Consumer {
         let publisher = Publisher::new(&conn).await?;
         let mut source = BatchSource::open(&conn, &self.names.due_queue(), self.prefetch).await?;
         tracing::info!(queue = %self.names.due_queue(), prefetch = self.prefetch, "worker: consuming");
+        let mut refused = Backoff::new();
         let result = loop {
             match source.next(self.batch_size, self.batch_window, token).await {
-                Ok(Some(batch)) => {
-                    if let Err(e) = self.process(batch, &publisher, &source).await {
-                        break Err(e);
-                    }
-                }
+                Ok(Some(batch)) => match self.process(batch, &publisher, &source).await {
+                    // A full tier refused re-delays: slow down instead of spinning on redeliveries.
+                    Ok(report) if report.requeued > 0 => refused.sleep(token).await,
+                    Ok(_) => refused.reset(),
+                    Err(e) => break Err(e),
+                },
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             }
@@ -128,9 +130,6 @@ impl Consumer {
             .iter()
             .map(|d| TimeoutMessage::decode(&d.data))
             .collect();
-        self.limiter
-            .acquire(messages.iter().filter(|m| m.is_ok()).count())
-            .await;
         let (actions, closed) = self.decider.decide(&messages).await;
         for c in &closed {
             self.stats.lateness(c.lateness(), "timeout");
@@ -206,13 +205,18 @@ impl Consumer {
                         })
                         .await;
                     report.requeued += 1;
-                    if !matches!(e, BrokerError::Nacked { .. }) {
+                    if matches!(e, BrokerError::Nacked { .. }) {
+                        self.stats.record(Outcome::PublishRefused, 1);
+                    } else {
                         broken = Some(e);
                     }
                 }
             }
         }
         self.record_hops(hops).await;
+        // Pay for the closes after the fact: the next batch waits, so a backlog
+        // drains at the configured rate. Only closes count, not duplicates or stale ones.
+        self.limiter.acquire(closed.len()).await;
         match broken {
             Some(e) => Err(e),
             None => Ok(report),

@@ -1,0 +1,482 @@
+//! The durable chain: the sweeper backstop, intents that survive a dead relay and a
+//! refusing broker, payments racing the deadline, a large overdue backlog drained at
+//! the configured rate, and several workers at once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::QueuePurgeOptions;
+use lapse::config::Secret;
+use lapse::orders::{self, Deadline, Line, OrderId, PayOutcome};
+use lapse::stats::Outcome;
+
+use crate::helpers::{TestEnv, count, eventually};
+
+async fn unpaid(db: &tokio_postgres::Client) -> i64 {
+    count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await
+}
+
+async fn create(
+    db: &mut tokio_postgres::Client,
+    deadlines: &[Duration],
+    lines: &[Line],
+) -> Vec<OrderId> {
+    let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
+    orders::ensure_stock(db, &skus, 1_000_000).await.unwrap();
+    let mut ids = Vec::new();
+    for chunk in deadlines.chunks(200) {
+        let tx = db.transaction().await.unwrap();
+        for d in chunk {
+            ids.push(orders::create(&tx, Deadline::In(*d), lines).await.unwrap());
+        }
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+fn one_line() -> Vec<Line> {
+    vec![Line {
+        sku: "widget".into(),
+        qty: 1,
+    }]
+}
+
+#[tokio::test]
+async fn the_sweeper_closes_what_a_purge_of_the_wait_queues_lost() {
+    let env = TestEnv::with_database(&["1s", "5s"]).await;
+    let mut config = env.config();
+    config.worker.sweeper = true;
+    config.sweeper.interval = Duration::from_secs(1);
+    config.sweeper.grace = Duration::from_secs(1);
+    let worker = env.start(&config).await;
+    let mut db = env.db().await;
+    create(&mut db, &[Duration::from_secs(5); 100], &one_line()).await;
+    eventually(Duration::from_secs(10), "intents relayed", || async {
+        (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+    })
+    .await;
+    let channel = env.conn.create_channel().await.unwrap();
+    let mut purged = 0;
+    for q in env
+        .topology()
+        .queues
+        .iter()
+        .filter(|q| q.name.contains(".wait."))
+    {
+        purged += channel
+            .queue_purge(q.name.as_str().into(), QueuePurgeOptions::default())
+            .await
+            .unwrap();
+    }
+    assert_eq!(purged, 100, "every timeout was waiting in a tier");
+
+    eventually(
+        Duration::from_secs(30),
+        "the sweeper closed every order",
+        || async { (unpaid(&db).await == 0).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE close_reason = 'sweeper'"
+        )
+        .await,
+        100
+    );
+    assert_eq!(worker.stats.get(Outcome::SweptClosed), 100);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    // Within interval + grace of the deadline (plus generous slack for a busy machine).
+    let worst = count(
+        &db,
+        "SELECT max(extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders",
+    )
+    .await;
+    assert!(worst < 2_000 + 5_000, "swept {worst} ms after the deadline");
+    eventually(
+        Duration::from_secs(20),
+        "swept orders released their stock",
+        || async {
+            (count(
+                &db,
+                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+            )
+            .await
+                == 100)
+                .then_some(())
+        },
+    )
+    .await;
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn intents_survive_a_dead_relay_and_a_broker_refusing_publishes() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    // A tier that holds 20 messages: the broker refuses (nacks) the rest until it drains.
+    env.write_tiers(&["1s"], "max_length = 20");
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(
+            format!("{}.wait.1s", env.prefix).as_str().into(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        lapse::topology::apply(&env.conn, &env.topology())
+            .await
+            .unwrap()
+            .ok()
+    );
+
+    // Committed intents with no relay running: as if it died between commit and publish.
+    let mut db = env.db().await;
+    let deadlines: Vec<Duration> = (0..200u64)
+        .map(|i| Duration::from_millis(1_000 + i * 10))
+        .collect();
+    create(&mut db, &deadlines, &one_line()).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 200);
+
+    let worker = env.start(&env.config()).await;
+    eventually(Duration::from_secs(60), "every order closed", || async {
+        (unpaid(&db).await == 0).then_some(())
+    })
+    .await;
+    assert!(
+        worker.stats.get(Outcome::PublishRefused) > 0,
+        "the broker refused publishes for a while"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    eventually(
+        Duration::from_secs(30),
+        "outbox drained and stock released",
+        || async {
+            let drained = count(&db, "SELECT count(*) FROM outbox").await == 0;
+            let released = count(
+                &db,
+                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+            )
+            .await
+                == 200;
+            (drained && released).then_some(())
+        },
+    )
+    .await;
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn payments_racing_the_deadline_never_both_win() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    let lines = vec![
+        Line {
+            sku: "red".into(),
+            qty: 2,
+        },
+        Line {
+            sku: "blue".into(),
+            qty: 1,
+        },
+    ];
+    let deadlines: Vec<Duration> = (0..2000u64)
+        .map(|i| Duration::from_millis(2_000 + i))
+        .collect();
+    let ids = create(&mut db, &deadlines, &lines).await;
+    let initial: i64 = count(
+        &db,
+        "SELECT sum(available + reserved + sold)::bigint FROM stock",
+    )
+    .await;
+    let worker = env.start(&env.config()).await;
+
+    let pool = lapse::db::pool(&Secret::new(env.database_url()), 16).unwrap();
+    let deadlines: Vec<(i64, chrono::DateTime<chrono::Utc>)> = db
+        .query("SELECT id, expire_at FROM orders ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(deadlines.len(), ids.len());
+    let late = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let mut payments = tokio::task::JoinSet::new();
+    for (i, (id, expire_at)) in deadlines.into_iter().enumerate() {
+        // Fire within ±50 ms of the deadline (by this machine's clock, which is the database's).
+        let offset = chrono::Duration::milliseconds((i as i64 * 37) % 101 - 50);
+        let (pool, late) = (pool.clone(), late.clone());
+        payments.spawn(async move {
+            let wait = (expire_at + offset - chrono::Utc::now())
+                .to_std()
+                .unwrap_or_default();
+            tokio::time::sleep(wait).await;
+            let client = pool.get().await.unwrap();
+            let outcome = orders::pay(&**client, OrderId(id)).await.unwrap();
+            if outcome == PayOutcome::Late {
+                late.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            outcome
+        });
+    }
+    let mut paid = 0;
+    while let Some(outcome) = payments.join_next().await {
+        if outcome.unwrap() == PayOutcome::Paid {
+            paid += 1;
+        }
+    }
+    eventually(Duration::from_secs(60), "every order settled", || async {
+        (unpaid(&db).await == 0).then_some(())
+    })
+    .await;
+
+    let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'PAID'").await,
+        paid
+    );
+    assert_eq!(paid + closed, 2000);
+    assert!(
+        paid > 0 && closed > 0,
+        "the race had both outcomes: {paid} paid, {closed} closed"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE status = 'PAID' AND paid_at >= expire_at"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    eventually(
+        Duration::from_secs(30),
+        "every closed order released once per line",
+        || async {
+            (count(
+                &db,
+                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+            )
+            .await
+                == 2 * closed)
+                .then_some(())
+        },
+    )
+    .await;
+    let paid_released = count(
+        &db,
+        "SELECT count(*) FROM stock_ledger l JOIN orders o ON o.id = l.order_id WHERE o.status = 'PAID' AND l.kind = 'release'",
+    )
+    .await;
+    assert_eq!(paid_released, 0);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT sum(available + reserved + sold)::bigint FROM stock"
+        )
+        .await,
+        initial
+    );
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        0
+    );
+    let late_rows = count(&db, "SELECT count(*) FROM late_payments").await;
+    assert_eq!(late_rows, late.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM late_payments p JOIN orders o ON o.id = p.order_id WHERE o.status <> 'CLOSED'").await,
+        0
+    );
+    println!("payment race: {paid} paid, {closed} closed, {late_rows} late payments recorded");
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_workers_with_two_relays_have_no_double_effects() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut config = env.config();
+    config.worker.sweeper = true;
+    config.sweeper.interval = Duration::from_millis(500);
+    config.sweeper.grace = Duration::from_millis(300);
+    let first = env.start(&config).await;
+    let second = env.start(&config).await;
+    let mut db = env.db().await;
+    let lines = vec![
+        Line {
+            sku: "p".into(),
+            qty: 1,
+        },
+        Line {
+            sku: "q".into(),
+            qty: 3,
+        },
+    ];
+    let deadlines: Vec<Duration> = (0..2000u64)
+        .map(|i| Duration::from_millis(500 + (i * 7) % 2500))
+        .collect();
+    create(&mut db, &deadlines, &lines).await;
+    eventually(Duration::from_secs(60), "every order closed", || async {
+        (unpaid(&db).await == 0).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(30), "every release applied", || async {
+        (count(
+            &db,
+            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+        )
+        .await
+            == 4000)
+            .then_some(())
+    })
+    .await;
+    let twice = count(
+        &db,
+        "SELECT count(*) FROM (SELECT order_id FROM order_events WHERE event = 'closed' GROUP BY order_id HAVING count(*) > 1) d",
+    )
+    .await;
+    assert_eq!(twice, 0);
+    let closes = first.stats.get(Outcome::Closed)
+        + second.stats.get(Outcome::Closed)
+        + first.stats.get(Outcome::SweptClosed)
+        + second.stats.get(Outcome::SweptClosed);
+    assert_eq!(closes, 2000);
+    assert!(
+        first.stats.get(Outcome::Relayed) > 0 && second.stats.get(Outcome::Relayed) > 0,
+        "both relays worked"
+    );
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        0
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    first.stop().await;
+    second.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_backlog_of_50k_overdue_orders_drains_at_the_configured_rate() {
+    const ORDERS: i64 = 50_000;
+    const RATE: f64 = 1_500.0;
+    let env = TestEnv::with_database(&["1s", "5s"]).await;
+    let db = env.db().await;
+    orders::ensure_stock(&db, &["bulk".to_string()], 1_000_000)
+        .await
+        .unwrap();
+    db.execute(
+        "SELECT lapse_create_order(now() - interval '2 seconds', '[{\"sku\": \"bulk\", \"qty\": 1}]')
+           FROM generate_series(1, $1::bigint)",
+        &[&ORDERS],
+    )
+    .await
+    .unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"))
+        .args(["--config", env.config_path().to_str().unwrap(), "worker"])
+        .env("LAPSE_WORKER__CLOSES_PER_SECOND", (RATE as u32).to_string())
+        .env("LAPSE_WORKER__PREFETCH", "500")
+        .env("LAPSE_WORKER__BATCH_SIZE", "250")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let mut samples: Vec<(Instant, i64)> = Vec::new();
+    let started = Instant::now();
+    let mut peak_rss_kb = 0;
+    loop {
+        let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+        samples.push((Instant::now(), closed));
+        peak_rss_kb = peak_rss_kb.max(vm_hwm_kb(pid));
+        if closed == ORDERS {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "backlog not drained: {closed} closed"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The rate between 20% and 80% of the backlog, away from start-up and the tail.
+    let at = |fraction: f64| {
+        samples
+            .iter()
+            .find(|(_, n)| *n as f64 >= fraction * ORDERS as f64)
+            .copied()
+            .unwrap()
+    };
+    let ((t1, n1), (t2, n2)) = (at(0.2), at(0.8));
+    let rate = (n2 - n1) as f64 / (t2 - t1).as_secs_f64();
+    println!(
+        "backlog of {ORDERS}: {rate:.0} closes/s with a limit of {RATE}; peak RSS {} MiB",
+        peak_rss_kb / 1024
+    );
+    assert!(
+        (rate - RATE).abs() <= 0.2 * RATE,
+        "drained at {rate:.0}/s, limit {RATE}/s"
+    );
+    assert!(
+        peak_rss_kb < 512 * 1024,
+        "worker memory stayed bounded: peak {peak_rss_kb} kB"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    let _ = tokio::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await;
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    env.cleanup().await;
+}
+
+fn vm_hwm_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
