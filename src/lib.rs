@@ -21,6 +21,7 @@
 //! - [`service`]: `lapse worker` — starts and supervises the components.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
+//! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`telemetry`]: structured logs.
 //! - [`cli`]: the command line.
@@ -41,6 +42,7 @@ pub mod releaser;
 pub mod service;
 pub mod shutdown;
 pub mod stats;
+pub mod status;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;

@@ -47,6 +47,20 @@ pub struct FeatureFlag {
 }
 
 #[derive(Debug, Deserialize)]
+pub struct ConnectionInfo {
+    pub name: String,
+    #[serde(default)]
+    pub client_properties: Map<String, Value>,
+}
+
+impl ConnectionInfo {
+    /// The name the client gave itself (lapse: "lapse worker <prefix>", ...).
+    pub fn client_name(&self) -> Option<&str> {
+        self.client_properties.get("connection_name")?.as_str()
+    }
+}
+
+#[derive(Debug, Deserialize)]
 pub struct BindingInfo {
     pub routing_key: String,
 }
@@ -79,10 +93,7 @@ impl Management {
         })
     }
 
-    async fn get<T: for<'de> Deserialize<'de>>(
-        &self,
-        segments: &[&str],
-    ) -> Result<Option<T>, ManagementError> {
+    fn url(&self, segments: &[&str]) -> Result<url::Url, ManagementError> {
         let mut url = self.base.clone();
         {
             let mut path = url
@@ -96,6 +107,14 @@ impl Management {
                 path.push(s);
             }
         }
+        Ok(url)
+    }
+
+    async fn get<T: for<'de> Deserialize<'de>>(
+        &self,
+        segments: &[&str],
+    ) -> Result<Option<T>, ManagementError> {
+        let url = self.url(segments)?;
         let shown = url.path().to_string();
         let response = self
             .http
@@ -134,6 +153,34 @@ impl Management {
 
     pub async fn queues(&self, vhost: &str) -> Result<Vec<QueueInfo>, ManagementError> {
         Ok(self.get(&["queues", vhost]).await?.unwrap_or_default())
+    }
+
+    pub async fn connections(&self) -> Result<Vec<ConnectionInfo>, ManagementError> {
+        Ok(self.get(&["connections"]).await?.unwrap_or_default())
+    }
+
+    /// Force-closes a connection (by the broker's connection name).
+    pub async fn close_connection(&self, name: &str) -> Result<(), ManagementError> {
+        let url = self.url(&["connections", name])?;
+        let shown = url.path().to_string();
+        let response = self
+            .http
+            .delete(url)
+            .basic_auth(&self.user, Some(&self.password))
+            .header("X-Reason", "closed by lapse")
+            .send()
+            .await
+            .map_err(|e| ManagementError::Request {
+                path: shown.clone(),
+                message: e.without_url().to_string(),
+            })?;
+        match response.status().as_u16() {
+            200..=299 | 404 => Ok(()),
+            status => Err(ManagementError::Status {
+                path: shown,
+                status,
+            }),
+        }
     }
 
     pub async fn feature_flags(&self) -> Result<Vec<FeatureFlag>, ManagementError> {

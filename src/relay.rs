@@ -234,14 +234,17 @@ impl Relay {
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
         let mut backoff = Backoff::new();
         while !token.is_cancelled() {
-            let conn = match broker::connect(&broker_url, "lapse relay").await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "relay: broker unavailable");
-                    backoff.sleep(&token).await;
-                    continue;
-                }
-            };
+            let conn =
+                match broker::connect(&broker_url, &format!("lapse relay {}", self.names.prefix))
+                    .await
+                {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "relay: broker unavailable");
+                        backoff.sleep(&token).await;
+                        continue;
+                    }
+                };
             let publisher = match Publisher::new(&conn).await {
                 Ok(p) => p,
                 Err(e) => {

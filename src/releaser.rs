@@ -90,7 +90,8 @@ impl Releaser {
         broker_url: &Secret,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let conn = broker::connect(broker_url, "lapse releaser").await?;
+        let conn =
+            broker::connect(broker_url, &format!("lapse releaser {}", self.names.prefix)).await?;
         let publisher = Publisher::new(&conn).await?;
         let queue = self.names.stock_release_queue();
         let mut source = BatchSource::open(&conn, &queue, self.prefetch).await?;

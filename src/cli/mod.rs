@@ -45,6 +45,11 @@ pub enum Command {
     Migrate,
     /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
     Worker(worker::WorkerArgs),
+    /// Queue depths, overdue orders, outbox and recent lateness.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
     /// Create, pay, extend or show orders.
     Order {
         #[command(subcommand)]
@@ -68,6 +73,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Migrate => order::migrate(&config).await,
         Command::Worker(args) => worker::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,
+        Command::Status { json } => status(&config, json).await,
     }
 }
 
@@ -75,4 +81,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
 pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
+}
+
+async fn status(config: &Config, json: bool) -> anyhow::Result<ExitStatus> {
+    let topology = crate::topology::Topology::new(&config.names(), &config.tier_file()?);
+    let conn = crate::broker::connect(&config.broker.url, "lapse status").await?;
+    let pool = crate::db::pool(&config.database.url, 1)?;
+    let client = pool.get().await?;
+    let status = crate::status::collect(&conn, &**client, &topology).await?;
+    let _ = conn.close(200, "done".into()).await;
+    if json {
+        print_json(&status)?;
+    } else {
+        print!("{}", status.render(&topology));
+    }
+    Ok(ExitStatus::Ok)
 }

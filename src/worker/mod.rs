@@ -92,7 +92,8 @@ impl Consumer {
         broker_url: &Secret,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let conn = broker::connect(broker_url, "lapse worker").await?;
+        let conn =
+            broker::connect(broker_url, &format!("lapse worker {}", self.names.prefix)).await?;
         let publisher = Publisher::new(&conn).await?;
         let mut source = BatchSource::open(&conn, &self.names.due_queue(), self.prefetch).await?;
         tracing::info!(queue = %self.names.due_queue(), prefetch = self.prefetch, "worker: consuming");

@@ -3,6 +3,7 @@
 //! up after itself. Set `TEST_LOG=1` to see the library's logs.
 
 mod chain;
+mod cli_orders;
 mod config_cli;
 mod helpers;
 mod outage;

@@ -204,3 +204,86 @@ fn send_sigterm(pid: i32) -> i32 {
         .map(|s| s.code().unwrap_or(1))
         .unwrap_or(1)
 }
+
+#[tokio::test]
+async fn lost_broker_connections_are_re_established_and_nothing_is_lost() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let worker = env.start(&env.config()).await;
+    let mut db = env.db().await;
+    let lines = [Line {
+        sku: "c".into(),
+        qty: 1,
+    }];
+    orders::ensure_stock(&db, &["c".to_string()], 10_000)
+        .await
+        .unwrap();
+    let tx = db.transaction().await.unwrap();
+    for i in 0..200u64 {
+        orders::create(
+            &tx,
+            Deadline::In(Duration::from_millis(1_000 + i * 15)),
+            &lines,
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let ours = |name: Option<&str>| {
+        name.is_some_and(|n| n.starts_with("lapse ") && n.ends_with(&env.prefix))
+    };
+    let names = eventually(
+        Duration::from_secs(20),
+        "the worker's connections listed",
+        || async {
+            let conns = env.management.connections().await.unwrap();
+            let mine: Vec<String> = conns
+                .iter()
+                .filter(|c| ours(c.client_name()))
+                .map(|c| c.name.clone())
+                .collect();
+            (mine.len() >= 3).then_some(mine)
+        },
+    )
+    .await;
+    for name in &names {
+        env.management.close_connection(name).await.unwrap();
+    }
+    eventually(
+        Duration::from_secs(30),
+        "connections re-established",
+        || async {
+            let conns = env.management.connections().await.unwrap();
+            let again = conns
+                .iter()
+                .filter(|c| ours(c.client_name()) && !names.contains(&c.name))
+                .count();
+            (again >= 3).then_some(())
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(60),
+        "every order closed and released",
+        || async {
+            let open = count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await;
+            let released = count(
+                &db,
+                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+            )
+            .await;
+            (open == 0 && released == 200).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
+        )
+        .await,
+        0
+    );
+    worker.stop().await;
+    env.cleanup().await;
+}

@@ -1,0 +1,152 @@
+//! `lapse status`: one look at the health of a deployment — tier and queue depths
+//! from the broker, overdue UNPAID orders and the outbox from the database, and the
+//! lateness of recent closes.
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use serde::Serialize;
+use tokio_postgres::GenericClient;
+
+use crate::broker::BrokerError;
+use crate::db::DbError;
+use crate::topology::{QueueRole, Topology};
+
+#[derive(Debug, Serialize)]
+pub struct QueueDepth {
+    pub queue: String,
+    /// Ready messages; `None` when the queue does not exist.
+    pub messages: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub queues: Vec<QueueDepth>,
+    pub overdue_unpaid: i64,
+    pub oldest_overdue_ms: Option<f64>,
+    pub outbox_rows: i64,
+    pub oldest_outbox_ms: Option<f64>,
+    pub recent_window_minutes: i64,
+    pub recent_closes: i64,
+    pub recent_sweeper_closes: i64,
+    pub lateness_p50_ms: Option<f64>,
+    pub lateness_p99_ms: Option<f64>,
+    pub lateness_max_ms: Option<f64>,
+}
+
+/// Closes in this many minutes count as recent.
+const RECENT_MINUTES: i64 = 5;
+
+pub async fn collect<C: GenericClient>(
+    conn: &lapin::Connection,
+    db: &C,
+    topology: &Topology,
+) -> Result<Status, StatusError> {
+    let mut queues = Vec::new();
+    for q in &topology.queues {
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(BrokerError::amqp("channel.open"))?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let messages = match channel
+            .queue_declare(q.name.as_str().into(), passive, FieldTable::default())
+            .await
+        {
+            Ok(found) => {
+                let _ = channel.close(200, "done".into()).await;
+                Some(found.message_count())
+            }
+            Err(e) if crate::broker::not_found(&e) => None,
+            Err(e) => return Err(BrokerError::amqp("queue.declare")(e).into()),
+        };
+        queues.push(QueueDepth {
+            queue: q.name.clone(),
+            messages,
+        });
+    }
+    let overdue = db
+        .query_one(
+            "SELECT count(*), extract(epoch FROM now() - min(expire_at))::float8 * 1000
+               FROM orders WHERE status = 'UNPAID' AND expire_at <= now()",
+            &[],
+        )
+        .await
+        .map_err(DbError::from)?;
+    let outbox = db
+        .query_one(
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000 FROM outbox",
+            &[],
+        )
+        .await
+        .map_err(DbError::from)?;
+    let recent = db
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE close_reason = 'sweeper'),
+                    percentile_cont(0.5) WITHIN GROUP (ORDER BY ms),
+                    percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms)
+               FROM (SELECT close_reason, extract(epoch FROM closed_at - expire_at)::float8 * 1000 AS ms
+                       FROM orders
+                      WHERE closed_at > now() - $1::bigint * interval '1 minute') r",
+            &[&RECENT_MINUTES],
+        )
+        .await
+        .map_err(DbError::from)?;
+    Ok(Status {
+        queues,
+        overdue_unpaid: overdue.get(0),
+        oldest_overdue_ms: overdue.get(1),
+        outbox_rows: outbox.get(0),
+        oldest_outbox_ms: outbox.get(1),
+        recent_window_minutes: RECENT_MINUTES,
+        recent_closes: recent.get(0),
+        recent_sweeper_closes: recent.get(1),
+        lateness_p50_ms: recent.get(2),
+        lateness_p99_ms: recent.get(3),
+        lateness_max_ms: recent.get(4),
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl Status {
+    pub fn render(&self, topology: &Topology) -> String {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+        let mut out = String::from("QUEUES\n");
+        for (q, spec) in self.queues.iter().zip(&topology.queues) {
+            let role = match &spec.role {
+                QueueRole::Wait(tier) => format!("wait {tier}"),
+                QueueRole::Due => "due".into(),
+                QueueRole::Parked => "parked".into(),
+                QueueRole::StockRelease => "stock release".into(),
+            };
+            let depth = q.messages.map_or("MISSING".to_string(), |n| n.to_string());
+            out.push_str(&format!("  {:<40} {:<14} {depth}\n", q.queue, role));
+        }
+        out.push_str(&format!(
+            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {})\n",
+            self.overdue_unpaid,
+            ms(self.oldest_overdue_ms),
+            self.outbox_rows,
+            ms(self.oldest_outbox_ms),
+        ));
+        out.push_str(&format!(
+            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  lateness           p50 {}, p99 {}, max {}\n",
+            self.recent_window_minutes,
+            self.recent_closes,
+            self.recent_sweeper_closes,
+            ms(self.lateness_p50_ms),
+            ms(self.lateness_p99_ms),
+            ms(self.lateness_max_ms),
+        ));
+        out
+    }
+}
