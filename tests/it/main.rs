@@ -2,6 +2,7 @@
 //! unique broker name prefix (and, where it needs one, a fresh database) and cleans
 //! up after itself. Set `TEST_LOG=1` to see the library's logs.
 
+mod backlog;
 mod chain;
 mod cli_orders;
 mod config_cli;

@@ -1,0 +1,75 @@
+//! Configuration loading and validation, tested with figment's `Jail`.
+// figment's Jail closures return its (large) error type by design.
+#![allow(clippy::result_large_err)]
+
+use super::*;
+use figment::Jail;
+
+/// Loads as `lapse` does without `--config`, in the jail's working directory.
+fn load() -> Result<Config, ConfigError> {
+    Config::load(Path::new(DEFAULT_CONFIG_FILE), false)
+}
+
+fn with_tier_file(jail: &mut Jail) {
+    jail.create_dir("topology").unwrap();
+    jail.create_file("topology/default.toml", "tiers = [\"1s\", \"5s\"]")
+        .unwrap();
+}
+
+#[test]
+fn defaults_without_a_file() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let config = load().unwrap();
+        assert_eq!(config.broker.prefix, "lapse");
+        assert_eq!(config.worker.tier_tolerance, Duration::from_millis(50));
+        Ok(())
+    });
+}
+
+#[test]
+fn env_overrides_file() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        jail.create_file(
+            "lapse.toml",
+            "[broker]\nprefix = \"from-file\"\n[worker]\nbatch_window = \"7ms\"",
+        )?;
+        jail.set_env("LAPSE_BROKER__PREFIX", "from-env");
+        let config = load().unwrap();
+        assert_eq!(config.broker.prefix, "from-env");
+        assert_eq!(config.worker.batch_window, Duration::from_millis(7));
+        Ok(())
+    });
+}
+
+#[test]
+fn errors_name_the_key_and_hide_secrets() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let cases = [
+            ("[broker]\ncolour = 1", "broker.colour"),
+            (
+                "[worker]\ntier_tolerance = \"soon\"",
+                "worker.tier_tolerance",
+            ),
+            ("[broker]\nurl = \"http://guest:s3cret@x\"", "broker.url"),
+            ("[database]\nurl = \"::s3cret::\"", "database.url"),
+            ("[broker]\nprefix = \"a b\"", "broker.prefix"),
+        ];
+        for (text, key) in cases {
+            jail.create_file("lapse.toml", text)?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, key, "{text}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn debug_hides_credentials() {
+    let mut config = Config::default();
+    config.broker.url = Secret::new("amqp://u:s3cret@h/");
+    assert!(!format!("{config:?}").contains("s3cret"));
+}
