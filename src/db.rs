@@ -25,6 +25,20 @@ pub enum DbError {
     Config(String),
     #[error("migration failed: {0}")]
     Migration(#[from] refinery::Error),
+    /// The database refused the operation by rule (e.g. insufficient stock).
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// Turns an exception raised by lapse's SQL functions (SQLSTATE P0001) into
+/// [`DbError::Refused`]; other errors pass through.
+pub fn refusal(e: tokio_postgres::Error) -> DbError {
+    match e.as_db_error() {
+        Some(db) if *db.code() == tokio_postgres::error::SqlState::RAISE_EXCEPTION => {
+            DbError::Refused(db.message().to_string())
+        }
+        _ => DbError::Postgres(e),
+    }
 }
 
 impl DbError {

@@ -87,6 +87,7 @@ pub async fn ensure_stock<C: GenericClient>(
 }
 
 /// Creates an UNPAID order, reserves its lines and writes its timeout intent.
+/// [`DbError::Refused`] when a SKU is unknown or short of stock.
 pub async fn create<C: GenericClient>(
     client: &C,
     deadline: Deadline,
@@ -99,7 +100,8 @@ pub async fn create<C: GenericClient>(
             &format!("SELECT lapse_create_order({DEADLINE_SQL}, $3::jsonb)"),
             &[&at, &in_ms, &lines],
         )
-        .await?;
+        .await
+        .map_err(crate::db::refusal)?;
     Ok(OrderId(row.get(0)))
 }
 

@@ -64,8 +64,8 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
                 for _ in 0..chunk {
                     match orders::create(&*tx, Deadline::In(expires_in), &lines).await {
                         Ok(id) => ids.push(id),
-                        Err(e) if e.to_string().contains("insufficient stock") => {
-                            eprintln!("refused: {e}");
+                        Err(e @ db::DbError::Refused(_)) => {
+                            eprintln!("{e}; no order of this transaction was created");
                             return Ok(ExitStatus::Failed);
                         }
                         Err(e) => return Err(e.into()),
