@@ -34,3 +34,23 @@ impl Backoff {
         self.next = (self.next * 2).min(Duration::from_secs(5));
     }
 }
+
+/// Runs `session` until it returns `Ok` (a clean stop) or `token` is cancelled;
+/// after each error, logs it and waits with back-off before the next session.
+pub async fn reconnecting<E, F, Fut>(component: &str, token: &CancellationToken, mut session: F)
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>>,
+{
+    let mut backoff = Backoff::new();
+    while !token.is_cancelled() {
+        match session().await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(component, error = %e, "session ended; reconnecting");
+                backoff.sleep(token).await;
+            }
+        }
+    }
+}

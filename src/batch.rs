@@ -92,6 +92,9 @@ impl BatchSource {
     /// Stops consuming and closes the channel; unacknowledged deliveries go back to
     /// the queue.
     pub async fn close(self) {
-        let _ = self.channel.close(200, "shutting down".into()).await;
+        if self.channel.status().connected() {
+            let close = self.channel.close(200, "shutting down".into());
+            let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
+        }
     }
 }

@@ -26,6 +26,8 @@ pub enum BrokerError {
     },
     #[error("the broker cancelled the consumer (queue deleted?)")]
     ConsumerEnded,
+    #[error("the broker connection was lost")]
+    ConnectionLost,
     #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
     Nacked {
         exchange: String,
@@ -204,4 +206,12 @@ pub fn vhost(url: &Secret) -> String {
     lapin::uri::AMQPUri::from_str(url.expose())
         .map(|u| u.vhost)
         .unwrap_or_else(|_| "/".to_string())
+}
+
+/// Closes a connection at the end of a session without ever hanging on a connection
+/// the broker already dropped.
+pub async fn close_quietly(conn: &Connection, reason: &str) {
+    if conn.status().connected() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, reason.into())).await;
+    }
 }

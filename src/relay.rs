@@ -232,57 +232,58 @@ impl Relay {
     ) {
         let wake = Arc::new(Notify::new());
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
+        crate::backoff::reconnecting("relay", &token, || {
+            self.session(&broker_url, &wake, poll, &token)
+        })
+        .await;
+        let _ = listener.await;
+    }
+
+    /// Rounds on one broker connection; returns on a broker error (to reconnect) or
+    /// when cancelled.
+    async fn session(
+        &self,
+        broker_url: &Secret,
+        wake: &Notify,
+        poll: Duration,
+        token: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        let name = format!("lapse relay {}", self.names.prefix);
+        let conn = broker::connect(broker_url, &name).await?;
+        let publisher = Publisher::new(&conn).await?;
         let mut backoff = Backoff::new();
-        while !token.is_cancelled() {
-            let conn =
-                match broker::connect(&broker_url, &format!("lapse relay {}", self.names.prefix))
-                    .await
-                {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "relay: broker unavailable");
-                        backoff.sleep(&token).await;
-                        continue;
+        let result = loop {
+            if token.is_cancelled() {
+                break Ok(());
+            }
+            // Notice a dropped connection while idle, not only at the next publish.
+            if !publisher.is_usable() {
+                break Err(BrokerError::ConnectionLost);
+            }
+            match self.run_once(&publisher).await {
+                Ok(RelayOutcome::Published { sent, refused: 0 }) => {
+                    backoff.reset();
+                    if sent < self.batch_size as usize {
+                        wait(wake, poll, token).await;
                     }
-                };
-            let publisher = match Publisher::new(&conn).await {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(error = %e, "relay: cannot open a confirm channel");
-                    backoff.sleep(&token).await;
-                    continue;
                 }
-            };
-            while !token.is_cancelled() {
-                match self.run_once(&publisher).await {
-                    Ok(RelayOutcome::Published { sent, refused: 0 }) => {
-                        backoff.reset();
-                        if sent < self.batch_size as usize {
-                            wait(&wake, poll, &token).await;
-                        }
-                    }
-                    Ok(RelayOutcome::Published { refused, .. }) => {
-                        tracing::warn!(
-                            refused,
-                            "relay: broker refused publishes (queue full?); backing off"
-                        );
-                        backoff.sleep(&token).await;
-                    }
-                    Ok(RelayOutcome::Idle) => wait(&wake, poll, &token).await,
-                    Err(RelayError::Broker(e)) => {
-                        tracing::warn!(error = %e, "relay: broker error; reconnecting");
-                        backoff.sleep(&token).await;
-                        break;
-                    }
-                    Err(RelayError::Db(e)) => {
-                        tracing::warn!(error = %e, "relay: database error; retrying");
-                        backoff.sleep(&token).await;
-                    }
+                Ok(RelayOutcome::Published { refused, .. }) => {
+                    tracing::warn!(
+                        refused,
+                        "relay: broker refused publishes (queue full?); backing off"
+                    );
+                    backoff.sleep(token).await;
+                }
+                Ok(RelayOutcome::Idle) => wait(wake, poll, token).await,
+                Err(RelayError::Broker(e)) => break Err(e),
+                Err(RelayError::Db(e)) => {
+                    tracing::warn!(error = %e, "relay: database error; retrying");
+                    backoff.sleep(token).await;
                 }
             }
-            let _ = conn.close(200, "relay stopping".into()).await;
-        }
-        let _ = listener.await;
+        };
+        broker::close_quietly(&conn, "relay stopping").await;
+        result
     }
 }
 

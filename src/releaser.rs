@@ -12,7 +12,6 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use crate::batch::BatchSource;
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Secret;
@@ -72,17 +71,10 @@ impl Releaser {
         Ok(row.get(0))
     }
 
+    /// Consumes until `token` is cancelled, reconnecting with back-off.
     pub async fn run(self, broker_url: Secret, token: CancellationToken) {
-        let mut backoff = Backoff::new();
-        while !token.is_cancelled() {
-            match self.session(&broker_url, &token).await {
-                Ok(()) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "releaser: broker session ended; reconnecting");
-                    backoff.sleep(&token).await;
-                }
-            }
-        }
+        crate::backoff::reconnecting("releaser", &token, || self.session(&broker_url, &token))
+            .await;
     }
 
     async fn session(
@@ -107,7 +99,7 @@ impl Releaser {
             }
         };
         source.close().await;
-        let _ = conn.close(200, "releaser stopping".into()).await;
+        broker::close_quietly(&conn, "releaser stopping").await;
         result
     }
 

@@ -186,7 +186,7 @@ impl Default for Config {
                 releaser: true,
                 sweeper: true,
                 migrate_on_start: true,
-                prefetch: 256,
+                prefetch: 1000,
                 batch_size: 100,
                 batch_window: Duration::from_millis(2),
                 tier_tolerance: Duration::from_millis(50),

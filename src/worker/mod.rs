@@ -75,16 +75,7 @@ impl Consumer {
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
     pub async fn run(self, broker_url: Secret, token: CancellationToken) {
-        let mut backoff = Backoff::new();
-        while !token.is_cancelled() {
-            match self.session(&broker_url, &token).await {
-                Ok(()) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "worker: broker session ended; reconnecting");
-                    backoff.sleep(&token).await;
-                }
-            }
-        }
+        crate::backoff::reconnecting("worker", &token, || self.session(&broker_url, &token)).await;
     }
 
     async fn session(
@@ -111,7 +102,7 @@ impl Consumer {
             }
         };
         source.close().await;
-        let _ = conn.close(200, "worker stopping".into()).await;
+        broker::close_quietly(&conn, "worker stopping").await;
         result
     }
 

@@ -7,31 +7,13 @@ use std::time::Duration;
 
 use lapin::options::QueuePurgeOptions;
 use lapse::config::Secret;
-use lapse::orders::{self, Deadline, Line, OrderId, PayOutcome};
+use lapse::orders::{self, Line, OrderId, PayOutcome};
 use lapse::stats::Outcome;
 
-use crate::helpers::{TestEnv, count, eventually};
+use crate::helpers::{TestEnv, count, create_orders, eventually};
 
 async fn unpaid(db: &tokio_postgres::Client) -> i64 {
     count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await
-}
-
-async fn create(
-    db: &mut tokio_postgres::Client,
-    deadlines: &[Duration],
-    lines: &[Line],
-) -> Vec<OrderId> {
-    let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
-    orders::ensure_stock(db, &skus, 1_000_000).await.unwrap();
-    let mut ids = Vec::new();
-    for chunk in deadlines.chunks(200) {
-        let tx = db.transaction().await.unwrap();
-        for d in chunk {
-            ids.push(orders::create(&tx, Deadline::In(*d), lines).await.unwrap());
-        }
-        tx.commit().await.unwrap();
-    }
-    ids
 }
 
 fn one_line() -> Vec<Line> {
@@ -50,7 +32,7 @@ async fn the_sweeper_closes_what_a_purge_of_the_wait_queues_lost() {
     config.sweeper.grace = Duration::from_secs(1);
     let worker = env.start(&config).await;
     let mut db = env.db().await;
-    create(&mut db, &[Duration::from_secs(5); 100], &one_line()).await;
+    create_orders(&mut db, &[Duration::from_secs(5); 100], &one_line()).await;
     eventually(Duration::from_secs(10), "intents relayed", || async {
         (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
     })
@@ -143,7 +125,7 @@ async fn intents_survive_a_dead_relay_and_a_broker_refusing_publishes() {
     let deadlines: Vec<Duration> = (0..200u64)
         .map(|i| Duration::from_millis(1_000 + i * 10))
         .collect();
-    create(&mut db, &deadlines, &one_line()).await;
+    create_orders(&mut db, &deadlines, &one_line()).await;
     assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 200);
 
     let worker = env.start(&env.config()).await;
@@ -199,7 +181,7 @@ async fn payments_racing_the_deadline_never_both_win() {
     let deadlines: Vec<Duration> = (0..2000u64)
         .map(|i| Duration::from_millis(2_000 + i))
         .collect();
-    let ids = create(&mut db, &deadlines, &lines).await;
+    let ids = create_orders(&mut db, &deadlines, &lines).await;
     let initial: i64 = count(
         &db,
         "SELECT sum(available + reserved + sold)::bigint FROM stock",
@@ -338,7 +320,7 @@ async fn two_workers_with_two_relays_have_no_double_effects() {
     let deadlines: Vec<Duration> = (0..2000u64)
         .map(|i| Duration::from_millis(500 + (i * 7) % 2500))
         .collect();
-    create(&mut db, &deadlines, &lines).await;
+    create_orders(&mut db, &deadlines, &lines).await;
     eventually(Duration::from_secs(60), "every order closed", || async {
         (unpaid(&db).await == 0).then_some(())
     })

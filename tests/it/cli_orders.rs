@@ -127,14 +127,46 @@ async fn order_commands_report_and_exit_as_documented() {
 #[tokio::test]
 async fn running_out_of_stock_is_a_refusal_that_creates_nothing() {
     let env = TestEnv::with_database(&["1s"]).await;
-    env.write_config(&format!("[database]\nurl = {:?}\n[orders]\ninitial_stock = 5\n", env.database_url()));
-    let ok = env.lapse(&["order", "create", "--expires-in", "1m", "--line", "rare:2", "--count", "2"]);
+    env.write_config(&format!(
+        "[database]\nurl = {:?}\n[orders]\ninitial_stock = 5\n",
+        env.database_url()
+    ));
+    let ok = env.lapse(&[
+        "order",
+        "create",
+        "--expires-in",
+        "1m",
+        "--line",
+        "rare:2",
+        "--count",
+        "2",
+    ]);
     assert!(ok.status.success(), "{}", stderr(&ok));
-    let short = env.lapse(&["order", "create", "--expires-in", "1m", "--line", "rare:2", "--count", "2"]);
+    let short = env.lapse(&[
+        "order",
+        "create",
+        "--expires-in",
+        "1m",
+        "--line",
+        "rare:2",
+        "--count",
+        "2",
+    ]);
     assert_eq!(short.status.code(), Some(1));
-    assert!(stderr(&short).contains("insufficient stock for sku rare"), "{}", stderr(&short));
+    assert!(
+        stderr(&short).contains("insufficient stock for sku rare"),
+        "{}",
+        stderr(&short)
+    );
     let db = env.db().await;
-    assert_eq!(crate::helpers::count(&db, "SELECT count(*) FROM orders").await, 2, "the refused transaction left nothing");
-    assert_eq!(crate::helpers::count(&db, "SELECT available FROM stock WHERE sku = 'rare'").await, 1);
+    assert_eq!(
+        crate::helpers::count(&db, "SELECT count(*) FROM orders").await,
+        2,
+        "the refused transaction left nothing"
+    );
+    assert_eq!(
+        crate::helpers::count(&db, "SELECT available FROM stock WHERE sku = 'rare'").await,
+        1
+    );
     env.cleanup().await;
 }

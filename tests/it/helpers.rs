@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use lapse::config::{Config, Secret};
 use lapse::management::Management;
+use lapse::orders::{self, Deadline, Line, OrderId};
 use lapse::service::Service;
 use lapse::stats::Stats;
 use lapse::topology::{Names, TierFile, Topology};
@@ -363,4 +364,24 @@ where
 /// Counts rows of a query returning one bigint.
 pub async fn count(db: &tokio_postgres::Client, sql: &str) -> i64 {
     db.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// Creates one order per deadline with `lines` (SKUs get ample stock), 100 per
+/// transaction.
+pub async fn create_orders(
+    db: &mut tokio_postgres::Client,
+    deadlines: &[Duration],
+    lines: &[Line],
+) -> Vec<OrderId> {
+    let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
+    orders::ensure_stock(db, &skus, 1_000_000).await.unwrap();
+    let mut ids = Vec::new();
+    for chunk in deadlines.chunks(100) {
+        let tx = db.transaction().await.unwrap();
+        for d in chunk {
+            ids.push(orders::create(&tx, Deadline::In(*d), lines).await.unwrap());
+        }
+        tx.commit().await.unwrap();
+    }
+    ids
 }

@@ -9,11 +9,11 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use lapse::broker::Publisher;
 use lapse::message::{TimeoutMessage, park_reason};
-use lapse::orders::{self, Deadline, Line, OrderId};
+use lapse::orders::{self, Line};
 use lapse::stats::Outcome;
 use lapse::topology::DUE_ROUTING_KEY;
 
-use crate::helpers::{TestEnv, count, eventually};
+use crate::helpers::{TestEnv, count, create_orders, eventually};
 
 fn lines() -> Vec<Line> {
     vec![
@@ -26,24 +26,6 @@ fn lines() -> Vec<Line> {
             qty: 1,
         },
     ]
-}
-
-async fn create_orders(
-    db: &mut tokio_postgres::Client,
-    deadlines: &[Duration],
-    lines: &[Line],
-) -> Vec<OrderId> {
-    let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
-    orders::ensure_stock(db, &skus, 1_000_000).await.unwrap();
-    let mut ids = Vec::new();
-    for chunk in deadlines.chunks(100) {
-        let tx = db.transaction().await.unwrap();
-        for d in chunk {
-            ids.push(orders::create(&tx, Deadline::In(*d), lines).await.unwrap());
-        }
-        tx.commit().await.unwrap();
-    }
-    ids
 }
 
 async fn all_settled(db: &tokio_postgres::Client) -> Option<()> {
