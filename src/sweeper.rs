@@ -16,7 +16,7 @@ use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 
 /// Advisory lock key of the sweeper leader ("sweep").
-const LEADER_LOCK: i64 = 0x0073_7765_6570;
+pub const LEADER_LOCK: i64 = 0x0073_7765_6570;
 
 #[derive(Clone)]
 pub struct Sweeper {

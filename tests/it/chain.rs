@@ -366,3 +366,48 @@ async fn two_workers_with_two_relays_have_no_double_effects() {
     second.stop().await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    create_orders(&mut db, &[Duration::from_millis(100); 30], &one_line()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // overdue, and no relay ran
+    let mut config = env.config().sweeper;
+    config.grace = Duration::from_millis(50);
+    config.stuck_outbox_after = Duration::from_millis(200);
+    config.batch_size = 7; // several keyset pages
+    let sweeper = lapse::sweeper::Sweeper {
+        pool: lapse::db::pool(&Secret::new(env.database_url()), 2).unwrap(),
+        stats: lapse::stats::Stats::default(),
+        config,
+        limiter: lapse::rate::RateLimiter::new(0),
+    };
+    // Another sweeper holds the leader lock: this one does nothing.
+    let other = env.db().await;
+    other
+        .execute(
+            "SELECT pg_advisory_lock($1)",
+            &[&lapse::sweeper::LEADER_LOCK],
+        )
+        .await
+        .unwrap();
+    let report = sweeper.run_once().await.unwrap();
+    assert!(!report.leader);
+    assert_eq!(unpaid(&db).await, 30);
+    other
+        .execute(
+            "SELECT pg_advisory_unlock($1)",
+            &[&lapse::sweeper::LEADER_LOCK],
+        )
+        .await
+        .unwrap();
+
+    let report = sweeper.run_once().await.unwrap();
+    assert!(report.leader);
+    assert_eq!((report.scanned, report.closed), (30, 30));
+    assert_eq!(report.stuck_outbox, 30, "30 timeout intents never relayed");
+    assert_eq!(unpaid(&db).await, 0);
+    assert_eq!(sweeper.stats.get(Outcome::SweptClosed), 30);
+    env.cleanup().await;
+}
