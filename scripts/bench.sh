@@ -34,8 +34,12 @@ report() { # label
             || ', p99 ' || round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 1)
             || ', max ' || round(max(ms)::numeric, 1)
        FROM (SELECT *, extract(epoch FROM closed_at - expire_at)::float8 * 1000 AS ms FROM orders) l"
-  sql "SELECT '  hops ' || hops || ': ' || count(*) FROM
-         (SELECT detail->>'hops' AS hops FROM order_events WHERE event = 'closed') h GROUP BY hops ORDER BY hops"
+  sql "SELECT '  hops ' || hops || ': ' || count(*) || ' orders, lateness ms p50 '
+            || round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 1)
+            || ', p90 ' || round(percentile_cont(0.9) WITHIN GROUP (ORDER BY ms)::numeric, 1)
+       FROM (SELECT e.detail->>'hops' AS hops, extract(epoch FROM o.closed_at - o.expire_at)::float8 * 1000 AS ms
+               FROM order_events e JOIN orders o ON o.id = e.order_id WHERE e.event = 'closed') h
+      GROUP BY hops ORDER BY hops"
 }
 wait_closed() {
   until [ "$(sql "SELECT count(*) FROM orders WHERE status = 'UNPAID'")" = 0 ]; do sleep 0.5; done

@@ -2,7 +2,8 @@
 //! deletes a row only after its confirm.
 //!
 //! Timeout intents go to the tier chosen from the database clock (or straight to the
-//! due queue when shorter than the smallest tier); stock-release events go to
+//! due queue when shorter than the smallest tier), allowing as slack only the lag
+//! since the intent was written; stock-release events go to
 //! `<P>.events`. Several relays may run at once: each round locks its rows with
 //! `FOR UPDATE SKIP LOCKED`. Woken by `NOTIFY lapse_outbox`, with a polling fallback.
 
@@ -91,13 +92,22 @@ impl Relay {
         }
     }
 
+    /// How much longer than the remaining time a first hop's tier may be: the time
+    /// the relay itself took since the intent's transaction began (plus 1 ms for the
+    /// deadline's truncation to milliseconds), capped by `worker.tier_tolerance`. A
+    /// deadline equal to a tier then takes one hop, and the tier choice adds no more
+    /// lateness than the relay's own lag.
+    fn slack(&self, lag: Duration) -> Duration {
+        (lag + Duration::from_millis(1)).min(self.tolerance)
+    }
+
     /// One round: lock a batch, publish it with confirms, delete what was confirmed.
     pub async fn run_once(&self, publisher: &Publisher) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT id, kind, order_id, payload, now() FROM outbox
+                "SELECT id, kind, order_id, payload, now(), created_at FROM outbox
                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
                 &[&self.batch_size],
             )
@@ -107,7 +117,11 @@ impl Relay {
         }
         let outgoing: Vec<Outgoing> = rows
             .iter()
-            .map(|r| self.outgoing(r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+            .map(|r| {
+                let (db_now, written): (DateTime<Utc>, DateTime<Utc>) = (r.get(4), r.get(5));
+                let lag = (db_now - written).to_std().unwrap_or_default();
+                self.outgoing(r.get(0), r.get(1), r.get(2), r.get(3), db_now, lag)
+            })
             .collect();
         let messages = outgoing
             .iter()
@@ -167,6 +181,7 @@ impl Relay {
         order_id: i64,
         payload: Value,
         db_now: DateTime<Utc>,
+        lag: Duration,
     ) -> Outgoing {
         if kind == "stock.release" {
             return Outgoing {
@@ -190,7 +205,7 @@ impl Relay {
                     &self.names,
                     &self.tiers,
                     message.remaining(db_now),
-                    self.tolerance,
+                    self.slack(lag),
                 );
                 message.hops = u32::from(route.tier.is_some());
                 let tier = route.tier.map(|t| t.name()).unwrap_or_else(|| "due".into());

@@ -114,7 +114,9 @@ pub struct WorkerConfig {
     /// How long to wait for a batch to fill once its first delivery arrived.
     #[serde(with = "humantime_serde")]
     pub batch_window: Duration,
-    /// Slack when choosing a tier so that a deadline equal to a tier takes one hop.
+    /// Upper bound on the slack the relay allows when choosing a first tier, so that a
+    /// deadline equal to a tier takes one hop although the relay publishes a little
+    /// after the order was written (the slack used is the relay's actual lag).
     #[serde(with = "humantime_serde")]
     pub tier_tolerance: Duration,
     /// Retries after database errors before a timeout is parked.

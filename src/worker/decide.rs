@@ -38,7 +38,6 @@ pub struct Decider {
     pub pool: Pool,
     pub names: Names,
     pub tiers: TierSet,
-    pub tolerance: Duration,
     pub max_attempts: u32,
     pub retry_backoff: Duration,
 }
@@ -170,7 +169,9 @@ impl Decider {
             };
         }
         let remaining = (order.expire_at - snap.db_now).to_std().unwrap_or_default();
-        let route = Route::for_remaining(&self.names, &self.tiers, remaining, self.tolerance);
+        // No slack here: a re-delay goes out right after the clock was read, and a
+        // tier longer than the remaining time would only make the close later.
+        let route = Route::for_remaining(&self.names, &self.tiers, remaining, Duration::ZERO);
         if route.tier.is_none() {
             return Action::Hold(remaining);
         }

@@ -60,7 +60,6 @@ impl Consumer {
                 pool,
                 names: names.clone(),
                 tiers,
-                tolerance: w.tier_tolerance,
                 max_attempts: w.max_attempts,
                 retry_backoff: w.retry_backoff,
             },
@@ -122,6 +121,9 @@ impl Consumer {
             .iter()
             .map(|d| TimeoutMessage::decode(&d.data))
             .collect();
+        // Holds count from the moment the clock was read, not from when this batch
+        // finished: the time spent deciding must not add to the lateness.
+        let read_at = tokio::time::Instant::now();
         let (actions, closed) = self.decider.decide(&messages).await;
         for c in &closed {
             self.stats.lateness(c.lateness(), "timeout");
@@ -141,7 +143,7 @@ impl Consumer {
                     report.held += 1;
                     let back = source.return_to.clone();
                     tokio::spawn(async move {
-                        tokio::time::sleep(after).await;
+                        tokio::time::sleep_until(read_at + after).await;
                         let _ = back.send(delivery);
                     });
                 }
