@@ -10,7 +10,9 @@ use lapse::config::Secret;
 use lapse::orders::{self, Line, OrderId, PayOutcome};
 use lapse::stats::Outcome;
 
-use crate::helpers::{TestEnv, count, create_orders, eventually};
+use crate::helpers::{
+    TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
+};
 
 async fn unpaid(db: &tokio_postgres::Client) -> i64 {
     count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await
@@ -67,14 +69,7 @@ async fn the_sweeper_closes_what_a_purge_of_the_wait_queues_lost() {
         100
     );
     assert_eq!(worker.stats.get(Outcome::SweptClosed), 100);
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
+    assert_never_early(&db).await;
     // Within interval + grace of the deadline (plus generous slack for a busy machine).
     let worst = count(
         &db,
@@ -82,20 +77,7 @@ async fn the_sweeper_closes_what_a_purge_of_the_wait_queues_lost() {
     )
     .await;
     assert!(worst < 2_000 + 5_000, "swept {worst} ms after the deadline");
-    eventually(
-        Duration::from_secs(20),
-        "swept orders released their stock",
-        || async {
-            (count(
-                &db,
-                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-            )
-            .await
-                == 100)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_released(&db, 100).await;
     worker.stop().await;
     env.cleanup().await;
 }
@@ -137,14 +119,7 @@ async fn intents_survive_a_dead_relay_and_a_broker_refusing_publishes() {
         worker.stats.get(Outcome::PublishRefused) > 0,
         "the broker refused publishes for a while"
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
+    assert_never_early(&db).await;
     eventually(
         Duration::from_secs(30),
         "outbox drained and stock released",
@@ -246,28 +221,8 @@ async fn payments_racing_the_deadline_never_both_win() {
         .await,
         0
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
-    eventually(
-        Duration::from_secs(30),
-        "every closed order released once per line",
-        || async {
-            (count(
-                &db,
-                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-            )
-            .await
-                == 2 * closed)
-                .then_some(())
-        },
-    )
-    .await;
+    assert_never_early(&db).await;
+    wait_released(&db, 2 * closed).await;
     let paid_released = count(
         &db,
         "SELECT count(*) FROM stock_ledger l JOIN orders o ON o.id = l.order_id WHERE o.status = 'PAID' AND l.kind = 'release'",
@@ -325,16 +280,7 @@ async fn two_workers_with_two_relays_have_no_double_effects() {
         (unpaid(&db).await == 0).then_some(())
     })
     .await;
-    eventually(Duration::from_secs(30), "every release applied", || async {
-        (count(
-            &db,
-            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-        )
-        .await
-            == 4000)
-            .then_some(())
-    })
-    .await;
+    wait_released(&db, 4000).await;
     let twice = count(
         &db,
         "SELECT count(*) FROM (SELECT order_id FROM order_events WHERE event = 'closed' GROUP BY order_id HAVING count(*) > 1) d",
@@ -354,14 +300,7 @@ async fn two_workers_with_two_relays_have_no_double_effects() {
         count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
         0
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
+    assert_never_early(&db).await;
     first.stop().await;
     second.stop().await;
     env.cleanup().await;

@@ -386,3 +386,30 @@ pub async fn create_orders(
     }
     ids
 }
+
+/// Waits (up to 30 s) until exactly `n` release ledger rows exist.
+pub async fn wait_released(db: &tokio_postgres::Client, n: i64) {
+    eventually(Duration::from_secs(30), "stock releases", || async {
+        let released = count(
+            db,
+            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+        )
+        .await;
+        assert!(
+            released <= n,
+            "{released} releases, more than the {n} expected"
+        );
+        (released == n).then_some(())
+    })
+    .await;
+}
+
+/// The promise: no order was closed before its deadline.
+pub async fn assert_never_early(db: &tokio_postgres::Client) {
+    let early = count(
+        db,
+        "SELECT count(*) FROM orders WHERE closed_at < expire_at",
+    )
+    .await;
+    assert_eq!(early, 0, "{early} orders closed before their deadline");
+}

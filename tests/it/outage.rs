@@ -8,7 +8,7 @@ use lapse::config::Secret;
 use lapse::orders::{self, Deadline, Line};
 use lapse::stats::Outcome;
 
-use crate::helpers::{TestEnv, count, eventually};
+use crate::helpers::{TestEnv, assert_never_early, count, eventually, wait_released};
 use crate::private_pg::PrivatePostgres;
 
 async fn connect(url: &str) -> tokio_postgres::Client {
@@ -71,29 +71,13 @@ async fn a_database_outage_loses_nothing_and_work_resumes_on_its_own() {
         count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
         300
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
+    assert_never_early(&db).await;
     assert!(
         worker.stats.get(Outcome::Retried) > 0,
         "the outage was seen and retried"
     );
     assert_eq!(worker.stats.get(Outcome::GaveUp), 0);
-    eventually(Duration::from_secs(30), "stock released", || async {
-        (count(
-            &db,
-            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-        )
-        .await
-            == 300)
-            .then_some(())
-    })
-    .await;
+    wait_released(&db, 300).await;
     worker.stop().await;
     drop(db);
     env.cleanup().await;
@@ -172,16 +156,7 @@ async fn sigterm_while_busy_exits_0_and_the_next_worker_finishes_without_double_
         },
     )
     .await;
-    eventually(Duration::from_secs(30), "every release applied", || async {
-        (count(
-            &db,
-            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-        )
-        .await
-            == 6_000)
-            .then_some(())
-    })
-    .await;
+    wait_released(&db, 6_000).await;
     let twice = count(
         &db,
         "SELECT count(*) FROM (SELECT order_id FROM order_events WHERE event = 'closed'
@@ -276,14 +251,7 @@ async fn lost_broker_connections_are_re_established_and_nothing_is_lost() {
         },
     )
     .await;
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0
-    );
+    assert_never_early(&db).await;
     worker.stop().await;
     env.cleanup().await;
 }

@@ -13,7 +13,9 @@ use lapse::orders::{self, Line};
 use lapse::stats::Outcome;
 use lapse::topology::DUE_ROUTING_KEY;
 
-use crate::helpers::{TestEnv, count, create_orders, eventually};
+use crate::helpers::{
+    TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
+};
 
 fn lines() -> Vec<Line> {
     vec![
@@ -54,15 +56,7 @@ async fn two_thousand_orders_close_never_early_with_one_hop_for_tier_deadlines()
         count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
         2000
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE closed_at < expire_at"
-        )
-        .await,
-        0,
-        "closed early"
-    );
+    assert_never_early(&db).await;
     let row = db
         .query_one(
             "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms)
@@ -91,16 +85,7 @@ async fn two_thousand_orders_close_never_early_with_one_hop_for_tier_deadlines()
     );
     assert_eq!(worker.stats.get(Outcome::Closed), 2000);
     // Every closed order's stock comes back once.
-    eventually(Duration::from_secs(30), "all stock released", || async {
-        (count(
-            &db,
-            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-        )
-        .await
-            == 4000)
-            .then_some(())
-    })
-    .await;
+    wait_released(&db, 4000).await;
     assert_eq!(
         count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
         0
@@ -137,20 +122,7 @@ async fn paid_orders_are_never_closed_and_release_nothing() {
         count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
         20
     );
-    eventually(
-        Duration::from_secs(30),
-        "releases of closed orders",
-        || async {
-            (count(
-                &db,
-                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-            )
-            .await
-                == 40)
-                .then_some(())
-        },
-    )
-    .await;
+    wait_released(&db, 40).await;
     let released_paid = count(
         &db,
         "SELECT count(*) FROM stock_ledger l JOIN orders o ON o.id = l.order_id
@@ -227,16 +199,7 @@ async fn the_same_timeout_delivered_five_times_closes_and_releases_once() {
     )
     .await;
     assert_eq!(worker.stats.get(Outcome::Closed), 1);
-    eventually(Duration::from_secs(10), "stock released", || async {
-        (count(
-            &db,
-            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
-        )
-        .await
-            == 2)
-            .then_some(())
-    })
-    .await;
+    wait_released(&db, 2).await;
     assert_eq!(
         count(
             &db,
