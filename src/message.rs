@@ -140,9 +140,15 @@ pub fn parked_properties(original: &BasicProperties, reason: &str) -> BasicPrope
     original.clone().with_headers(headers)
 }
 
-/// Reads the reason header of a parked message.
+/// Reads the reason header lapse sets on a message it parks.
 pub fn park_reason(headers: Option<&FieldTable>) -> Option<String> {
-    match headers?.inner().get(PARK_REASON_HEADER)? {
+    header_text(headers, PARK_REASON_HEADER)
+}
+
+/// A string header as text (RabbitMQ sends long strings as bytes), e.g. the broker's
+/// `x-first-death-reason` on a message it dead-lettered.
+pub fn header_text(headers: Option<&FieldTable>, key: &str) -> Option<String> {
+    match headers?.inner().get(key)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         AMQPValue::ShortString(s) => Some(s.to_string()),
         _ => None,

@@ -382,3 +382,75 @@ async fn prune_deletes_empty_orphans_and_keeps_those_holding_messages() {
     assert!(env.management.queue("/", &q("1h")).await.unwrap().is_some());
     env.cleanup().await;
 }
+
+/// Reads one message from `queue`, waiting up to 10 s.
+async fn next_from(env: &TestEnv, queue: &str) -> lapin::message::Delivery {
+    let channel = env.conn.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let delivery = tokio::time::timeout(std::time::Duration::from_secs(10), consumer.next())
+        .await
+        .expect("a message")
+        .unwrap()
+        .unwrap();
+    delivery.ack(BasicAckOptions::default()).await.unwrap();
+    delivery
+}
+
+#[tokio::test]
+async fn an_unknown_tier_and_a_poison_message_are_parked_not_dropped() {
+    let env = TestEnv::new(&["1s"]).await;
+    env.write_tiers(&["1s"], "delivery_limit = 2");
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    publish_to_tier(&publisher, &env, "7m", "no such tier").await;
+    let parked = next_from(&env, &env.names().parked()).await;
+    assert_eq!(parked.data, b"no such tier");
+
+    // Delivered and returned more often than the delivery limit: the broker parks it.
+    publisher
+        .publish(
+            &env.names().due_exchange(),
+            "due",
+            b"poison",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+    let channel = env.conn.create_channel().await.unwrap();
+    let mut due = channel
+        .basic_consume(
+            env.names().due_queue().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let d = tokio::time::timeout(std::time::Duration::from_secs(10), due.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        d.nack(lapin::options::BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let parked = next_from(&env, &env.names().parked()).await;
+    assert_eq!(parked.data, b"poison");
+    let reason =
+        lapse::message::header_text(parked.properties.headers().as_ref(), "x-first-death-reason");
+    assert_eq!(reason.as_deref(), Some("delivery_limit"));
+    env.cleanup().await;
+}
