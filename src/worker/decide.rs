@@ -49,6 +49,7 @@ struct OrderRow {
     expire_at: DateTime<Utc>,
 }
 
+#[derive(Default)]
 struct Snapshot {
     db_now: DateTime<Utc>,
     orders: HashMap<i64, OrderRow>,
@@ -63,14 +64,15 @@ impl Decider {
     ) -> (Vec<Action>, Vec<Closed>) {
         let decoded: Vec<&TimeoutMessage> =
             messages.iter().filter_map(|m| m.as_ref().ok()).collect();
+        // A batch of undecodable bodies needs no database at all.
         let snapshot = if decoded.is_empty() {
-            None
+            Ok(Snapshot::default())
         } else {
-            Some(self.read_and_close(&decoded).await)
+            self.read_and_close(&decoded).await
         };
         let mut closed_ids: HashSet<i64> = match &snapshot {
-            Some(Ok(s)) => s.closed.iter().map(|c| c.order_id).collect(),
-            _ => HashSet::new(),
+            Ok(s) => s.closed.iter().map(|c| c.order_id).collect(),
+            Err(_) => HashSet::new(),
         };
         let actions = messages
             .iter()
@@ -79,15 +81,11 @@ impl Decider {
                     reason: e.to_string(),
                     outcome: Outcome::Parked,
                 },
-                (Ok(m), Some(Ok(snap))) => self.classify(m, snap, &mut closed_ids),
-                (Ok(m), Some(Err(e))) => self.retry(m, e),
-                (Ok(_), None) => unreachable!("a decoded message always has a snapshot"),
+                (Ok(m), Ok(snap)) => self.classify(m, snap, &mut closed_ids),
+                (Ok(m), Err(e)) => self.retry(m, e),
             })
             .collect();
-        let closed = match snapshot {
-            Some(Ok(s)) => s.closed,
-            _ => Vec::new(),
-        };
+        let closed = snapshot.map(|s| s.closed).unwrap_or_default();
         (actions, closed)
     }
 
