@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::health::Health;
+
 /// Exponential back-off from 100 ms to 5 s, cut short by cancellation.
 pub struct Backoff {
     next: Duration,
@@ -36,19 +38,26 @@ impl Backoff {
 }
 
 /// Runs `session` until it returns `Ok` (a clean stop) or `token` is cancelled;
-/// after each error, logs it and waits with back-off before the next session.
-pub async fn reconnecting<E, F, Fut>(component: &str, token: &CancellationToken, mut session: F)
-where
+/// after each error, logs it, reports the component down and waits with back-off
+/// before the next session.
+pub async fn reconnecting<E, F, Fut>(
+    component: &'static str,
+    health: &Health,
+    token: &CancellationToken,
+    mut session: F,
+) where
     E: std::fmt::Display,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), E>>,
 {
     let mut backoff = Backoff::new();
     while !token.is_cancelled() {
+        health.up(component);
         match session().await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(component, error = %e, "session ended; reconnecting");
+                health.down(component, e.to_string());
                 backoff.sleep(token).await;
             }
         }

@@ -21,6 +21,7 @@
 //! - [`service`]: `lapse worker` — starts and supervises the components.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
+//! - [`health`], [`http`]: component health and the `/metrics` + `/health` endpoint.
 //! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`telemetry`]: structured logs.
@@ -33,6 +34,8 @@ pub mod cli;
 pub mod close;
 pub mod config;
 pub mod db;
+pub mod health;
+pub mod http;
 pub mod management;
 pub mod message;
 pub mod orders;

@@ -23,6 +23,7 @@ use crate::backoff::Backoff;
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::{Config, Secret};
 use crate::db::{self, DbError};
+use crate::health::Health;
 use crate::message::{Route, TimeoutMessage, parked_properties};
 use crate::stats::{Outcome, Stats};
 use crate::tier::TierSet;
@@ -243,11 +244,12 @@ impl Relay {
         broker_url: Secret,
         db_url: Secret,
         poll: Duration,
+        health: Health,
         token: CancellationToken,
     ) {
         let wake = Arc::new(Notify::new());
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
-        crate::backoff::reconnecting("relay", &token, || {
+        crate::backoff::reconnecting("relay", &health, &token, || {
             self.session(&broker_url, &wake, poll, &token)
         })
         .await;

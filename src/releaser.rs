@@ -16,6 +16,7 @@ use crate::batch::BatchSource;
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::Secret;
 use crate::db::DbError;
+use crate::health::Health;
 use crate::message::parked_properties;
 use crate::stats::{Outcome, Stats};
 use crate::topology::Names;
@@ -72,9 +73,11 @@ impl Releaser {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, token: CancellationToken) {
-        crate::backoff::reconnecting("releaser", &token, || self.session(&broker_url, &token))
-            .await;
+    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+        crate::backoff::reconnecting("releaser", &health, &token, || {
+            self.session(&broker_url, &token)
+        })
+        .await;
     }
 
     async fn session(

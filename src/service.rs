@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::db::{self, DbError};
+use crate::health::Health;
 use crate::rate::RateLimiter;
 use crate::relay::Relay;
 use crate::releaser::Releaser;
@@ -28,6 +29,7 @@ pub enum ServiceError {
 
 pub struct Service {
     tasks: JoinSet<&'static str>,
+    health: Health,
     token: CancellationToken,
     drain: Duration,
 }
@@ -46,13 +48,18 @@ impl Service {
         let w = &config.worker;
         let pool = || db::pool(&config.database.url, config.database.pool_size);
         let mut tasks = JoinSet::new();
+        let health = Health::default();
         let limiter = RateLimiter::new(w.closes_per_second);
         if w.consumer {
             let mut consumer = Consumer::new(config, pool()?, tiers.clone(), stats.clone());
             consumer.limiter = limiter.clone();
-            let (url, t) = (config.broker.url.clone(), token.child_token());
+            let (url, h, t) = (
+                config.broker.url.clone(),
+                health.clone(),
+                token.child_token(),
+            );
             tasks.spawn(async move {
-                consumer.run(url, t).await;
+                consumer.run(url, h, t).await;
                 "consumer"
             });
         }
@@ -64,8 +71,9 @@ impl Service {
                 config.relay.poll_interval,
                 token.child_token(),
             );
+            let h = health.clone();
             tasks.spawn(async move {
-                relay.run(url, db_url, poll, t).await;
+                relay.run(url, db_url, poll, h, t).await;
                 "relay"
             });
         }
@@ -78,9 +86,13 @@ impl Service {
                 batch_size: w.batch_size.min(usize::from(w.prefetch)),
                 batch_window: w.batch_window,
             };
-            let (url, t) = (config.broker.url.clone(), token.child_token());
+            let (url, h, t) = (
+                config.broker.url.clone(),
+                health.clone(),
+                token.child_token(),
+            );
             tasks.spawn(async move {
-                releaser.run(url, t).await;
+                releaser.run(url, h, t).await;
                 "releaser"
             });
         }
@@ -91,17 +103,23 @@ impl Service {
                 config: config.sweeper.clone(),
                 limiter,
             };
-            let t = token.child_token();
+            let (h, t) = (health.clone(), token.child_token());
             tasks.spawn(async move {
-                sweeper.run(t).await;
+                sweeper.run(h, t).await;
                 "sweeper"
             });
         }
         Ok(Self {
             tasks,
+            health,
             token,
             drain: w.drain_timeout,
         })
+    }
+
+    /// The components' health, for `GET /health`.
+    pub fn health(&self) -> Health {
+        self.health.clone()
     }
 
     /// Waits until the token is cancelled (or a component stops on its own, which

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::close::{self, Candidate, CloseReason};
 use crate::config::SweeperConfig;
 use crate::db::DbError;
+use crate::health::Health;
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 
@@ -123,11 +124,17 @@ impl Sweeper {
         Ok(report)
     }
 
-    pub async fn run(self, token: CancellationToken) {
+    pub async fn run(self, health: Health, token: CancellationToken) {
         loop {
             match self.run_once().await {
-                Ok(report) => tracing::debug!(?report, "sweep done"),
-                Err(e) => tracing::warn!(error = %e, "sweeper: database error"),
+                Ok(report) => {
+                    health.up("sweeper");
+                    tracing::debug!(?report, "sweep done");
+                }
+                Err(e) => {
+                    health.down("sweeper", e.to_string());
+                    tracing::warn!(error = %e, "sweeper: database error");
+                }
             }
             tokio::select! {
                 _ = token.cancelled() => return,

@@ -6,6 +6,7 @@ use clap::Args;
 
 use super::ExitStatus;
 use crate::config::Config;
+use crate::http;
 use crate::service::Service;
 use crate::shutdown;
 use crate::stats::Stats;
@@ -24,7 +25,7 @@ pub struct WorkerArgs {
     /// Do not run the backstop sweeper.
     #[arg(long)]
     no_sweeper: bool,
-    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464).
+    /// Serve GET /metrics (Prometheus) and GET /health on this address (e.g. 127.0.0.1:9464).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
 }
@@ -35,15 +36,21 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     w.relay &= !args.no_relay;
     w.releaser &= !args.no_releaser;
     w.sweeper &= !args.no_sweeper;
-    if let Some(addr) = args.metrics_listen {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()?;
-        tracing::info!(%addr, "serving Prometheus metrics");
-    }
+    let metrics = args
+        .metrics_listen
+        .map(|_| http::install_recorder())
+        .transpose()?;
     let token = shutdown::on_signal();
     let stats = Stats::default();
-    let service = Service::start(&config, stats.clone(), token).await?;
+    let service = Service::start(&config, stats.clone(), token.clone()).await?;
+    if let (Some(addr), Some(metrics)) = (args.metrics_listen, metrics) {
+        let (health, token) = (service.health(), token.clone());
+        tokio::spawn(async move {
+            if let Err(e) = http::serve(addr, metrics, health, token).await {
+                tracing::error!(error = %e, %addr, "cannot serve /metrics and /health");
+            }
+        });
+    }
     tracing::info!(prefix = %config.broker.prefix, "worker running; SIGINT or SIGTERM stops it");
     let abandoned = service.wait().await;
     let summary: Vec<String> = stats

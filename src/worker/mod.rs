@@ -24,6 +24,7 @@ use crate::backoff::Backoff;
 use crate::batch::BatchSource;
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::{Config, Secret};
+use crate::health::Health;
 use crate::message::{TimeoutMessage, parked_properties};
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
@@ -73,8 +74,11 @@ impl Consumer {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, token: CancellationToken) {
-        crate::backoff::reconnecting("worker", &token, || self.session(&broker_url, &token)).await;
+    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+        crate::backoff::reconnecting("consumer", &health, &token, || {
+            self.session(&broker_url, &token)
+        })
+        .await;
     }
 
     async fn session(

@@ -6,6 +6,7 @@ mod backlog;
 mod chain;
 mod cli_orders;
 mod config_cli;
+mod endpoints;
 mod helpers;
 mod outage;
 mod pipeline;

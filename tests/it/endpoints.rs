@@ -1,0 +1,89 @@
+//! `lapse worker --metrics-listen`: GET /metrics and GET /health through the binary.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::helpers::{TestEnv, eventually};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.ok()?))
+}
+
+fn spawn_worker(env: &TestEnv, port: u16, broker_url: Option<&str>) -> tokio::process::Child {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
+    cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
+        .args(["--metrics-listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    if let Some(url) = broker_url {
+        cmd.env("LAPSE_BROKER__URL", url);
+    }
+    cmd.spawn().unwrap()
+}
+
+#[tokio::test]
+async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let port = free_port();
+    let mut worker = spawn_worker(&env, port, None);
+    let health: Value = eventually(Duration::from_secs(20), "a healthy worker", || async {
+        let (status, body) = get(port, "/health").await?;
+        let health: Value = serde_json::from_str(&body).ok()?;
+        (status == 200 && health["components"].as_object()?.len() == 4).then_some(health)
+    })
+    .await;
+    assert_eq!(health["status"], "ok");
+    for component in ["consumer", "relay", "releaser", "sweeper"] {
+        assert_eq!(health["components"][component]["up"], true, "{health}");
+    }
+    let created = env.lapse(&["order", "create", "--expires-in", "300ms"]);
+    assert!(created.status.success());
+    eventually(
+        Duration::from_secs(20),
+        "the close counted in /metrics",
+        || async {
+            let (_, body) = get(port, "/metrics").await?;
+            body.lines()
+                .any(|l| l.starts_with("lapse_outcomes_total{outcome=\"closed\"} 1"))
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(get(port, "/nothing").await.unwrap().0, 404);
+    worker.kill().await.unwrap();
+
+    // The same worker pointed at a broker that is not there: degraded, with the reason.
+    let port = free_port();
+    let mut worker = spawn_worker(&env, port, Some("amqp://guest:guest@127.0.0.1:1/%2f"));
+    let (status, body) = eventually(Duration::from_secs(20), "a degraded worker", || async {
+        let (status, body) = get(port, "/health").await?;
+        (status == 503).then_some((status, body))
+    })
+    .await;
+    let health: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status, 503);
+    assert_eq!(health["status"], "degraded");
+    assert_eq!(health["components"]["consumer"]["up"], false);
+    let error = health["components"]["consumer"]["last_error"]
+        .as_str()
+        .unwrap();
+    assert!(error.contains("connect"), "{error}");
+    assert!(!body.contains("guest:guest"), "no credentials in /health");
+    worker.kill().await.unwrap();
+    env.cleanup().await;
+}
