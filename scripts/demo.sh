@@ -27,6 +27,8 @@ echo "== worker running for 7 s"
 start_worker --metrics-listen 127.0.0.1:9464 &
 worker=$!
 sleep 6
+echo "-- its health"
+curl -s http://127.0.0.1:9464/health; echo
 echo "-- a few of its metrics"
 curl -s http://127.0.0.1:9464/metrics | grep -E '^lapse_(outcomes_total|close_lateness_seconds\{.*quantile="0.5")' || true
 sleep 1

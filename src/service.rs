@@ -127,10 +127,14 @@ impl Service {
     /// had to be abandoned.
     pub async fn wait(mut self) -> Vec<String> {
         tokio::select! {
+            // A component that stops because of the shutdown is not a failure.
+            biased;
             _ = self.token.cancelled() => {}
             Some(done) = self.tasks.join_next() => {
-                tracing::error!(component = ?done, "a component stopped unexpectedly; stopping the others");
-                self.token.cancel();
+                if !self.token.is_cancelled() {
+                    tracing::error!(component = ?done, "a component stopped unexpectedly; stopping the others");
+                    self.token.cancel();
+                }
             }
         }
         let deadline = tokio::time::Instant::now() + self.drain;
