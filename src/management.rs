@@ -110,22 +110,33 @@ impl Management {
         Ok(url)
     }
 
+    /// Sends an authenticated request; returns the response and the path shown in errors.
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        segments: &[&str],
+    ) -> Result<(reqwest::Response, String), ManagementError> {
+        let url = self.url(segments)?;
+        let shown = url.path().to_string();
+        let mut request = self
+            .http
+            .request(method.clone(), url)
+            .basic_auth(&self.user, Some(&self.password));
+        if method == reqwest::Method::DELETE {
+            request = request.header("X-Reason", "closed by lapse");
+        }
+        let response = request.send().await.map_err(|e| ManagementError::Request {
+            path: shown.clone(),
+            message: e.without_url().to_string(),
+        })?;
+        Ok((response, shown))
+    }
+
     async fn get<T: for<'de> Deserialize<'de>>(
         &self,
         segments: &[&str],
     ) -> Result<Option<T>, ManagementError> {
-        let url = self.url(segments)?;
-        let shown = url.path().to_string();
-        let response = self
-            .http
-            .get(url)
-            .basic_auth(&self.user, Some(&self.password))
-            .send()
-            .await
-            .map_err(|e| ManagementError::Request {
-                path: shown.clone(),
-                message: e.without_url().to_string(),
-            })?;
+        let (response, shown) = self.send(reqwest::Method::GET, segments).await?;
         match response.status().as_u16() {
             404 => Ok(None),
             200..=299 => response
@@ -161,19 +172,9 @@ impl Management {
 
     /// Force-closes a connection (by the broker's connection name).
     pub async fn close_connection(&self, name: &str) -> Result<(), ManagementError> {
-        let url = self.url(&["connections", name])?;
-        let shown = url.path().to_string();
-        let response = self
-            .http
-            .delete(url)
-            .basic_auth(&self.user, Some(&self.password))
-            .header("X-Reason", "closed by lapse")
-            .send()
-            .await
-            .map_err(|e| ManagementError::Request {
-                path: shown.clone(),
-                message: e.without_url().to_string(),
-            })?;
+        let (response, shown) = self
+            .send(reqwest::Method::DELETE, &["connections", name])
+            .await?;
         match response.status().as_u16() {
             200..=299 | 404 => Ok(()),
             status => Err(ManagementError::Status {

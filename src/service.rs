@@ -51,8 +51,13 @@ impl Service {
         let health = Health::default();
         let limiter = RateLimiter::new(w.closes_per_second);
         if w.consumer {
-            let mut consumer = Consumer::new(config, pool()?, tiers.clone(), stats.clone());
-            consumer.limiter = limiter.clone();
+            let consumer = Consumer::new(
+                config,
+                pool()?,
+                tiers.clone(),
+                stats.clone(),
+                limiter.clone(),
+            );
             let (url, h, t) = (
                 config.broker.url.clone(),
                 health.clone(),

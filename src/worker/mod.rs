@@ -53,7 +53,15 @@ pub struct BatchReport {
 }
 
 impl Consumer {
-    pub fn new(config: &Config, pool: Pool, tiers: TierSet, stats: Stats) -> Self {
+    /// `limiter` bounds closes per second; share it with the sweeper so that both
+    /// together stay under `worker.closes_per_second`.
+    pub fn new(
+        config: &Config,
+        pool: Pool,
+        tiers: TierSet,
+        stats: Stats,
+        limiter: RateLimiter,
+    ) -> Self {
         let names = config.names();
         let w = &config.worker;
         Self {
@@ -69,7 +77,7 @@ impl Consumer {
             prefetch: w.prefetch,
             batch_size: w.batch_size.min(usize::from(w.prefetch)),
             batch_window: w.batch_window,
-            limiter: RateLimiter::new(w.closes_per_second),
+            limiter,
         }
     }
 
