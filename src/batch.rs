@@ -11,7 +11,8 @@ use lapin::types::FieldTable;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::BrokerError;
+use crate::broker::{self, BrokerError, Publisher};
+use crate::config::Secret;
 
 /// A consumer on one queue plus a side channel of deliveries handed back for later
 /// (held timeouts).
@@ -96,5 +97,41 @@ impl BatchSource {
             let close = self.channel.close(200, "shutting down".into());
             let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
         }
+    }
+}
+
+/// What one consuming session holds: its connection, a confirm channel for the
+/// publishes its work needs, and the batch source. Opening and closing it is the
+/// same for every consumer; only the handling of a batch differs.
+pub struct ConsumerSession {
+    conn: lapin::Connection,
+    pub publisher: Publisher,
+    pub source: BatchSource,
+}
+
+impl ConsumerSession {
+    /// Connects as `connection_name` and starts consuming `queue`.
+    pub async fn open(
+        broker_url: &Secret,
+        connection_name: &str,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        let conn = broker::connect(broker_url, connection_name).await?;
+        let publisher = Publisher::new(&conn).await?;
+        let source = BatchSource::open(&conn, queue, prefetch).await?;
+        tracing::info!(%queue, prefetch, "consuming");
+        Ok(Self {
+            conn,
+            publisher,
+            source,
+        })
+    }
+
+    /// Stops consuming and closes the connection; unacknowledged deliveries return
+    /// to the queue.
+    pub async fn close(self) {
+        self.source.close().await;
+        broker::close_quietly(&self.conn, "consumer stopping").await;
     }
 }

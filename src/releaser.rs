@@ -12,8 +12,8 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::BatchSource;
-use crate::broker::{self, BrokerError, Publisher};
+use crate::batch::ConsumerSession;
+use crate::broker::{BrokerError, Publisher};
 use crate::config::Secret;
 use crate::db::DbError;
 use crate::health::Health;
@@ -85,15 +85,17 @@ impl Releaser {
         broker_url: &Secret,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let conn =
-            broker::connect(broker_url, &format!("lapse releaser {}", self.names.prefix)).await?;
-        let publisher = Publisher::new(&conn).await?;
+        let name = format!("lapse releaser {}", self.names.prefix);
         let queue = self.names.stock_release_queue();
-        let mut source = BatchSource::open(&conn, &queue, self.prefetch).await?;
+        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
         let result = loop {
-            match source.next(self.batch_size, self.batch_window, token).await {
+            match session
+                .source
+                .next(self.batch_size, self.batch_window, token)
+                .await
+            {
                 Ok(Some(batch)) => {
-                    if let Err(e) = self.process(batch, &publisher).await {
+                    if let Err(e) = self.process(batch, &session.publisher).await {
                         break Err(e);
                     }
                 }
@@ -101,8 +103,7 @@ impl Releaser {
                 Err(e) => break Err(e),
             }
         };
-        source.close().await;
-        broker::close_quietly(&conn, "releaser stopping").await;
+        session.close().await;
         result
     }
 

@@ -21,8 +21,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::BatchSource;
-use crate::broker::{self, BrokerError, Publisher};
+use crate::batch::{BatchSource, ConsumerSession};
+use crate::broker::{BrokerError, Publisher};
 use crate::config::{Config, Secret};
 use crate::health::Health;
 use crate::message::{TimeoutMessage, parked_properties};
@@ -94,26 +94,31 @@ impl Consumer {
         broker_url: &Secret,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let conn =
-            broker::connect(broker_url, &format!("lapse worker {}", self.names.prefix)).await?;
-        let publisher = Publisher::new(&conn).await?;
-        let mut source = BatchSource::open(&conn, &self.names.due_queue(), self.prefetch).await?;
-        tracing::info!(queue = %self.names.due_queue(), prefetch = self.prefetch, "worker: consuming");
+        let name = format!("lapse worker {}", self.names.prefix);
+        let queue = self.names.due_queue();
+        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
         let mut refused = Backoff::new();
         let result = loop {
-            match source.next(self.batch_size, self.batch_window, token).await {
-                Ok(Some(batch)) => match self.process(batch, &publisher, &source).await {
-                    // A full tier refused re-delays: slow down instead of spinning on redeliveries.
-                    Ok(report) if report.requeued > 0 => refused.sleep(token).await,
-                    Ok(_) => refused.reset(),
-                    Err(e) => break Err(e),
-                },
+            let batch = match session
+                .source
+                .next(self.batch_size, self.batch_window, token)
+                .await
+            {
+                Ok(Some(batch)) => batch,
                 Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            };
+            match self
+                .process(batch, &session.publisher, &session.source)
+                .await
+            {
+                // A full tier refused re-delays: slow down instead of spinning on redeliveries.
+                Ok(report) if report.requeued > 0 => refused.sleep(token).await,
+                Ok(_) => refused.reset(),
                 Err(e) => break Err(e),
             }
         };
-        source.close().await;
-        broker::close_quietly(&conn, "worker stopping").await;
+        session.close().await;
         result
     }
 
