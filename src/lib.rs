@@ -24,6 +24,7 @@
 //! - [`health`], [`http`]: component health and the `/metrics` + `/health` endpoint.
 //! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
+//! - [`redact`]: masks passwords in every error, log line and panic message.
 //! - [`telemetry`]: structured logs.
 //! - [`cli`]: the command line.
 
@@ -40,6 +41,7 @@ pub mod management;
 pub mod message;
 pub mod orders;
 pub mod rate;
+pub mod redact;
 pub mod relay;
 pub mod releaser;
 pub mod service;

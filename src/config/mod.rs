@@ -342,14 +342,33 @@ fn figment_error(error: figment::Error) -> ConfigError {
             }
             "missing key".to_string()
         }
-        kind => kind.to_string(),
+        kind => without_source_lines(&kind.to_string()),
     };
     let key = if path.is_empty() {
         "(top level)".to_string()
     } else {
         path.join(".")
     };
-    ConfigError::new(key, problem)
+    ConfigError::new(key, crate::redact::redact(&problem))
+}
+
+/// A parser's message without the source excerpt it quotes (`2 | url = "..."` and
+/// its caret line): the offending line may hold a password, and the line and column
+/// numbers already say where the problem is.
+fn without_source_lines(message: &str) -> String {
+    let is_excerpt = |line: &str| {
+        let t = line.trim_start();
+        let digits = t.trim_start_matches(|c: char| c.is_ascii_digit());
+        t.is_empty()
+            || t.starts_with('|')
+            || (digits.len() < t.len() && digits.trim_start().starts_with('|'))
+    };
+    message
+        .lines()
+        .filter(|line| !is_excerpt(line))
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join(": ")
 }
 
 #[cfg(test)]

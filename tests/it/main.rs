@@ -11,4 +11,5 @@ mod helpers;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod secrets;
 mod topology;
