@@ -1,6 +1,6 @@
 //! `lapse status`: one look at the health of a deployment — tier and queue depths
-//! from the broker, overdue UNPAID orders and the outbox from the database, and the
-//! lateness of recent closes.
+//! from the broker, overdue UNPAID orders and the outbox from the database, the
+//! lateness of recent closes, and the stock releases the reconciler had to repair.
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -28,6 +28,10 @@ pub struct Status {
     pub recent_window_minutes: i64,
     pub recent_closes: i64,
     pub recent_sweeper_closes: i64,
+    /// Lost stock releases the reconciler emitted again in the window (should be 0).
+    pub recent_release_repairs: i64,
+    /// ... and ever.
+    pub release_repairs_total: i64,
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
@@ -94,6 +98,8 @@ pub async fn collect<C: GenericClient>(
         )
         .await
         .map_err(DbError::from)?;
+    let (recent_release_repairs, release_repairs_total) =
+        crate::reconciler::repairs(db, RECENT_MINUTES).await?;
     Ok(Status {
         queues,
         overdue_unpaid: overdue.get(0),
@@ -103,6 +109,8 @@ pub async fn collect<C: GenericClient>(
         recent_window_minutes: RECENT_MINUTES,
         recent_closes: recent.get(0),
         recent_sweeper_closes: recent.get(1),
+        recent_release_repairs,
+        release_repairs_total,
         lateness_p50_ms: recent.get(2),
         lateness_p99_ms: recent.get(3),
         lateness_max_ms: recent.get(4),
@@ -139,10 +147,12 @@ impl Status {
             ms(self.oldest_outbox_ms),
         ));
         out.push_str(&format!(
-            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  lateness           p50 {}, p99 {}, max {}\n",
+            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
             self.recent_window_minutes,
             self.recent_closes,
             self.recent_sweeper_closes,
+            self.recent_release_repairs,
+            self.release_repairs_total,
             ms(self.lateness_p50_ms),
             ms(self.lateness_p99_ms),
             ms(self.lateness_max_ms),

@@ -11,4 +11,6 @@ mod helpers;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod queues;
+mod release_repair;
 mod topology;
