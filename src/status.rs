@@ -25,6 +25,9 @@ pub struct Status {
     pub oldest_overdue_ms: Option<f64>,
     pub outbox_rows: i64,
     pub oldest_outbox_ms: Option<f64>,
+    /// Outbox rows the broker refused (a full tier) or returned (no queue bound),
+    /// waiting for their retry.
+    pub outbox_retrying: i64,
     pub recent_window_minutes: i64,
     pub recent_closes: i64,
     pub recent_sweeper_closes: i64,
@@ -81,7 +84,9 @@ pub async fn collect<C: GenericClient>(
         .map_err(DbError::from)?;
     let outbox = db
         .query_one(
-            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000 FROM outbox",
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000,
+                    count(*) FILTER (WHERE attempts > 0)
+               FROM outbox",
             &[],
         )
         .await
@@ -106,6 +111,7 @@ pub async fn collect<C: GenericClient>(
         oldest_overdue_ms: overdue.get(1),
         outbox_rows: outbox.get(0),
         oldest_outbox_ms: outbox.get(1),
+        outbox_retrying: outbox.get(2),
         recent_window_minutes: RECENT_MINUTES,
         recent_closes: recent.get(0),
         recent_sweeper_closes: recent.get(1),
@@ -140,11 +146,12 @@ impl Status {
             out.push_str(&format!("  {:<40} {:<14} {depth}\n", q.queue, role));
         }
         out.push_str(&format!(
-            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {})\n",
+            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
             self.overdue_unpaid,
             ms(self.oldest_overdue_ms),
             self.outbox_rows,
             ms(self.oldest_outbox_ms),
+            self.outbox_retrying,
         ));
         out.push_str(&format!(
             "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",

@@ -11,6 +11,7 @@ mod helpers;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod publish_faults;
 mod queues;
 mod release_repair;
 mod topology;

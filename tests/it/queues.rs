@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapse::message::{header_text, park_reason};
 
@@ -20,6 +20,15 @@ pub async fn depth(conn: &lapin::Connection, queue: &str) -> Option<u32> {
         .ok()?;
     let _ = channel.close(200, "done".into()).await;
     Some(found.message_count())
+}
+
+/// Deletes `queue` (quorum queues refuse `if-empty`: callers delete it while idle).
+pub async fn delete(conn: &lapin::Connection, queue: &str) {
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
 }
 
 /// Takes every message from `queue` (waiting up to `limit` for the first `expect`),
