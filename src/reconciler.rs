@@ -47,7 +47,11 @@ UPDATE orders o SET released_at = clock_timestamp()
         OR EXISTS (SELECT 1 FROM stock_ledger s WHERE s.order_id = o.id AND s.kind = 'release'))";
 
 const REEMIT_SQL: &str = "
-WITH lost AS (
+WITH pending AS MATERIALIZED (
+    -- One pass over the outbox per page, whatever the planner thinks of it.
+    SELECT DISTINCT order_id FROM outbox WHERE kind = 'stock.release' AND order_id = ANY($1)
+),
+lost AS (
     UPDATE orders o
        SET release_repairs = o.release_repairs + 1, release_repaired_at = clock_timestamp()
      WHERE o.id = ANY($1) AND o.status = 'CLOSED' AND o.released_at IS NULL
@@ -55,7 +59,7 @@ WITH lost AS (
        AND (o.release_repaired_at IS NULL
             OR o.release_repaired_at < now() - $3::bigint * interval '1 millisecond')
        AND NOT EXISTS (SELECT 1 FROM stock_ledger s WHERE s.order_id = o.id AND s.kind = 'release')
-       AND NOT EXISTS (SELECT 1 FROM outbox x WHERE x.kind = 'stock.release' AND x.order_id = o.id)
+       AND NOT EXISTS (SELECT 1 FROM pending p WHERE p.order_id = o.id)
     RETURNING o.id, o.release_repairs
 ),
 emitted AS (
