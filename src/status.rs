@@ -31,9 +31,10 @@ pub struct Status {
     pub recent_window_minutes: i64,
     pub recent_closes: i64,
     pub recent_sweeper_closes: i64,
-    /// Lost stock releases the reconciler emitted again in the window (should be 0).
+    /// Orders whose lost stock release the reconciler emitted again within the
+    /// window (should be 0).
     pub recent_release_repairs: i64,
-    /// ... and ever.
+    /// Re-emissions ever (should be 0).
     pub release_repairs_total: i64,
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
