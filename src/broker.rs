@@ -1,15 +1,21 @@
 //! The AMQP side: connecting, converting topology arguments to field tables,
 //! reading the broker's error replies, and publishing with confirms.
 //!
-//! Invariant: a publish counts only once the broker confirmed it (`ack`); a nack, a
-//! `reject-publish` overflow or a lost channel is an error the caller retries.
+//! Invariant: a publish counts only once the broker confirmed it (`ack`) AND routed
+//! it to a queue; a nack, a `reject-publish` overflow or a lost channel is an error
+//! the caller retries. Every publish is `mandatory`: when no queue is bound for it
+//! (a queue deleted by an operator) the broker returns the message with the confirm,
+//! and the publish is [`BrokerError::Unroutable`], never delivered. (An exchange with
+//! an alternate exchange, like `<P>.delay`, routes such a message there instead.)
 
 use std::time::Duration;
 
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ErrorKind};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 
 use crate::config::Secret;
 use crate::topology::{ArgValue, Arguments};
@@ -30,6 +36,13 @@ pub enum BrokerError {
     ConnectionLost,
     #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
     Nacked {
+        exchange: String,
+        routing_key: String,
+    },
+    #[error(
+        "unroutable: no queue is bound to `{exchange}` for routing key `{routing_key}` (the broker returned the publish)"
+    )]
+    Unroutable {
         exchange: String,
         routing_key: String,
     },
@@ -131,7 +144,7 @@ impl Publisher {
         self.channel.status().connected()
     }
 
-    /// Publishes and waits for the broker's confirm.
+    /// Publishes (mandatory) and waits for the broker's confirm.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -144,7 +157,7 @@ impl Publisher {
             .basic_publish(
                 exchange.into(),
                 routing_key.into(),
-                BasicPublishOptions::default(),
+                MANDATORY,
                 body,
                 properties,
             )
@@ -152,16 +165,18 @@ impl Publisher {
             .map_err(BrokerError::amqp("basic.publish"))?
             .await
             .map_err(BrokerError::amqp("confirm"))?;
-        if confirm.is_nack() {
-            return Err(BrokerError::Nacked {
+        let (result, returned) = outcome(exchange, routing_key, confirm);
+        match returned {
+            Some(_) => Err(BrokerError::Unroutable {
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),
-            });
+            }),
+            None => result,
         }
-        Ok(())
     }
 
-    /// Publishes many messages, pipelining their confirms; the result of each in order.
+    /// Publishes many messages (mandatory), pipelining their confirms; the result of
+    /// each in order.
     pub async fn publish_all(
         &self,
         messages: Vec<(String, String, Vec<u8>, BasicProperties)>,
@@ -173,30 +188,90 @@ impl Publisher {
                 .basic_publish(
                     exchange.as_str().into(),
                     routing_key.as_str().into(),
-                    BasicPublishOptions::default(),
+                    MANDATORY,
                     &body,
                     properties,
                 )
                 .await
                 .map_err(BrokerError::amqp("basic.publish"));
-            pending.push((exchange, routing_key, sent));
+            pending.push((exchange, routing_key, body, sent));
         }
         let mut results = Vec::with_capacity(pending.len());
-        for (exchange, routing_key, sent) in pending {
-            let result = match sent {
+        let mut returned = Vec::new();
+        let mut sent = Vec::with_capacity(pending.len());
+        for (exchange, routing_key, body, confirm) in pending {
+            let result = match confirm {
                 Err(e) => Err(e),
                 Ok(confirm) => match confirm.await {
                     Err(e) => Err(BrokerError::amqp("confirm")(e)),
-                    Ok(c) if c.is_nack() => Err(BrokerError::Nacked {
-                        exchange,
-                        routing_key,
-                    }),
-                    Ok(_) => Ok(()),
+                    Ok(c) => {
+                        let (result, message) = outcome(&exchange, &routing_key, c);
+                        returned.extend(message);
+                        result
+                    }
                 },
             };
             results.push(result);
+            sent.push((exchange, routing_key, body));
         }
+        attribute_returns(&sent, &mut results, returned);
         results
+    }
+}
+
+/// Every publish asks the broker to return what it cannot route.
+const MANDATORY: BasicPublishOptions = BasicPublishOptions {
+    mandatory: true,
+    immediate: false,
+};
+
+/// A confirm's verdict, and the message the broker returned with it, if any.
+fn outcome(
+    exchange: &str,
+    routing_key: &str,
+    confirm: Confirmation,
+) -> (Result<(), BrokerError>, Option<BasicReturnMessage>) {
+    let result = if confirm.is_nack() {
+        Err(BrokerError::Nacked {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+        })
+    } else {
+        Ok(())
+    };
+    (result, confirm.take_message())
+}
+
+/// Marks as unroutable the publish each returned message came from. lapin hands a
+/// return to whichever confirm of a multiple-ack completes first, which need not be
+/// the returned publish's own, so the match is by content: exchange, routing key and
+/// body (identical publishes are interchangeable).
+fn attribute_returns(
+    sent: &[(String, String, Vec<u8>)],
+    results: &mut [Result<(), BrokerError>],
+    returned: Vec<BasicReturnMessage>,
+) {
+    for message in returned {
+        let d = &message.delivery;
+        let matching = sent.iter().zip(results.iter()).position(|((e, k, b), r)| {
+            !matches!(r, Err(BrokerError::Unroutable { .. }))
+                && d.exchange.as_str() == e
+                && d.routing_key.as_str() == k
+                && d.data == *b
+        });
+        match matching {
+            Some(i) => {
+                results[i] = Err(BrokerError::Unroutable {
+                    exchange: sent[i].0.clone(),
+                    routing_key: sent[i].1.clone(),
+                })
+            }
+            None => tracing::error!(
+                exchange = %d.exchange,
+                routing_key = %d.routing_key,
+                "the broker returned a publish that matches none just sent"
+            ),
+        }
     }
 }
 
@@ -213,5 +288,64 @@ pub fn vhost(url: &Secret) -> String {
 pub async fn close_quietly(conn: &Connection, reason: &str) {
     if conn.status().connected() {
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, reason.into())).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::message::Delivery;
+
+    fn returned(exchange: &str, key: &str, body: &[u8]) -> BasicReturnMessage {
+        BasicReturnMessage {
+            delivery: Delivery::mock(0, exchange.into(), key.into(), false, body.to_vec()),
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+        }
+    }
+
+    fn sent(exchange: &str, key: &str, body: &[u8]) -> (String, String, Vec<u8>) {
+        (exchange.into(), key.into(), body.to_vec())
+    }
+
+    #[test]
+    fn a_return_marks_the_publish_it_came_from_whichever_confirm_carried_it() {
+        let published = [
+            sent("p.events", "stock.release", b"a"),
+            sent("p.due", "due", b"b"),
+            sent("p.events", "stock.release", b"c"),
+            sent("p.events", "stock.release", b"c"),
+        ];
+        let mut results: Vec<Result<(), BrokerError>> = (0..4).map(|_| Ok(())).collect();
+        results[1] = Err(BrokerError::Nacked {
+            exchange: "p.due".into(),
+            routing_key: "due".into(),
+        });
+        let returns = vec![
+            returned("p.events", "stock.release", b"c"),
+            returned("p.events", "stock.release", b"c"),
+        ];
+        attribute_returns(&published, &mut results, returns);
+        assert!(results[0].is_ok());
+        assert!(matches!(results[1], Err(BrokerError::Nacked { .. })));
+        for r in &results[2..] {
+            assert!(
+                matches!(r, Err(BrokerError::Unroutable { exchange, routing_key })
+                    if exchange == "p.events" && routing_key == "stock.release"),
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_return_that_matches_nothing_changes_nothing() {
+        let published = [sent("p.events", "stock.release", b"a")];
+        let mut results = vec![Ok(())];
+        attribute_returns(
+            &published,
+            &mut results,
+            vec![returned("p.events", "stock.release", b"other")],
+        );
+        assert!(results[0].is_ok());
     }
 }

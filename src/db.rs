@@ -42,14 +42,58 @@ pub fn refusal(e: tokio_postgres::Error) -> DbError {
 }
 
 impl DbError {
-    /// True when retrying later may succeed (connection trouble, not a bad query).
+    /// True when retrying the same work later may succeed: the connection or the
+    /// server was away, or the transaction lost a race (deadlock, serialization
+    /// failure, lock or statement timeout). False for what would fail again: a
+    /// constraint violated by the data, a value that does not decode, a refusal.
     pub fn is_transient(&self) -> bool {
         match self {
             DbError::Pool(_) => true,
-            DbError::Postgres(e) => e.is_closed() || e.code().is_none(),
+            DbError::Postgres(e) => match e.code() {
+                Some(code) => transient_sqlstate(code.code()),
+                None => e.is_closed() || caused_by_io(e) || is_client_timeout(e),
+            },
             _ => false,
         }
     }
+}
+
+impl DbError {
+    /// The error with the server's own message and SQLSTATE when there is one (the
+    /// `Display` of a server error is only "db error"), for logs and park reasons.
+    pub fn detail(&self) -> String {
+        match self {
+            DbError::Postgres(e) => match e.as_db_error() {
+                Some(db) => format!("{}: {} (SQLSTATE {})", self, db.message(), db.code().code()),
+                None => match std::error::Error::source(e) {
+                    Some(cause) => format!("{self}: {cause}"),
+                    None => self.to_string(),
+                },
+            },
+            _ => self.to_string(),
+        }
+    }
+}
+
+/// SQLSTATEs that describe the moment, not the work: connection exceptions (08),
+/// transaction rollbacks such as serialization failure and deadlock (40),
+/// insufficient resources (53), operator intervention such as a server shutting
+/// down or starting up (57P), system errors (58), `lock_not_available` (55P03) and
+/// `query_canceled` (57014, e.g. `statement_timeout`).
+pub fn transient_sqlstate(code: &str) -> bool {
+    ["08", "40", "53", "57P", "58"]
+        .iter()
+        .any(|class| code.starts_with(class))
+        || matches!(code, "55P03" | "57014")
+}
+
+fn caused_by_io(e: &tokio_postgres::Error) -> bool {
+    std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+}
+
+/// tokio-postgres reports its own connect timeout only through its message.
+fn is_client_timeout(e: &tokio_postgres::Error) -> bool {
+    e.as_db_error().is_none() && e.to_string() == "timeout waiting for server"
 }
 
 pub fn pg_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
@@ -133,4 +177,23 @@ pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
     drop(client);
     let _ = driver.await;
     Ok(report?.applied_migrations().len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::transient_sqlstate;
+
+    #[test]
+    fn races_and_outages_are_transient_bad_data_is_not() {
+        for code in [
+            "40001", "40P01", "08006", "08001", "57P01", "57P03", "53300", "55P03", "57014",
+        ] {
+            assert!(transient_sqlstate(code), "{code} should be transient");
+        }
+        for code in [
+            "23514", "23505", "22003", "22P02", "42P01", "P0001", "XX000",
+        ] {
+            assert!(!transient_sqlstate(code), "{code} should be permanent");
+        }
+    }
 }

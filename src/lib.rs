@@ -18,6 +18,7 @@
 //! - [`relay`]: outbox -> broker with publisher confirms.
 //! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
 //! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
+//! - [`reconciler`]: re-emits stock releases lost after a close (run by the sweeper's leader).
 //! - [`service`]: `lapse worker` — starts and supervises the components.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
@@ -41,6 +42,7 @@ pub mod management;
 pub mod message;
 pub mod orders;
 pub mod rate;
+pub mod reconciler;
 pub mod redact;
 pub mod relay;
 pub mod releaser;

@@ -6,6 +6,15 @@
 //! since the intent was written; stock-release events go to
 //! `<P>.events`. Several relays may run at once: each round locks its rows with
 //! `FOR UPDATE SKIP LOCKED`. Woken by `NOTIFY lapse_outbox`, with a polling fallback.
+//!
+//! A row the broker refuses (a full tier, `reject-publish`) or returns (`mandatory`:
+//! no queue bound, e.g. deleted by an operator) is never deleted: it is rescheduled
+//! (`not_before`, with exponential back-off per row, see [`retry`]) and the round
+//! takes rows by `(not_before, id)`, so a refused destination waits alone while every
+//! other row — other tiers, stock releases — flows past it.
+
+mod outgoing;
+pub mod retry;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,9 +22,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 use futures_util::StreamExt;
-use lapin::BasicProperties;
-use lapin::types::ShortString;
-use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -24,10 +30,10 @@ use crate::broker::{self, BrokerError, Publisher};
 use crate::config::{Config, Secret};
 use crate::db::{self, DbError};
 use crate::health::Health;
-use crate::message::{Route, TimeoutMessage, parked_properties};
 use crate::stats::{Outcome, Stats};
 use crate::tier::TierSet;
-use crate::topology::{Names, STOCK_RELEASE_ROUTING_KEY};
+use crate::topology::Names;
+use outgoing::{OutboxRow, Outgoing};
 
 /// The channel the outbox trigger notifies.
 pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
@@ -57,8 +63,13 @@ impl From<deadpool_postgres::PoolError> for RelayError {
 pub enum RelayOutcome {
     /// Nothing to publish.
     Idle,
-    /// Rows published and deleted; `refused` rows were nacked and stay for later.
-    Published { sent: usize, refused: usize },
+    /// Rows published and deleted; `refused` rows were nacked (a full tier) and
+    /// `returned` ones unroutable: both stay, rescheduled for later.
+    Published {
+        sent: usize,
+        refused: usize,
+        returned: usize,
+    },
 }
 
 #[derive(Clone)]
@@ -69,16 +80,6 @@ pub struct Relay {
     pub tolerance: Duration,
     pub batch_size: i64,
     pub stats: Stats,
-}
-
-struct Outgoing {
-    outbox_id: i64,
-    order_id: i64,
-    exchange: String,
-    routing_key: String,
-    body: Vec<u8>,
-    properties: BasicProperties,
-    hop: Option<Value>,
 }
 
 impl Relay {
@@ -93,37 +94,35 @@ impl Relay {
         }
     }
 
-    /// How much longer than the remaining time a first hop's tier may be: the time
-    /// the relay itself took since the intent's transaction began (plus 1 ms for the
-    /// deadline's truncation to milliseconds), capped by `worker.tier_tolerance`. A
-    /// deadline equal to a tier then takes one hop, and the tier choice adds no more
-    /// lateness than the relay's own lag.
-    fn slack(&self, lag: Duration) -> Duration {
-        (lag + Duration::from_millis(1)).min(self.tolerance)
-    }
-
-    /// One round: lock a batch, publish it with confirms, delete what was confirmed.
+    /// One round: lock a batch of due rows, publish it with confirms, delete what was
+    /// confirmed and routed, reschedule what was refused or returned.
     pub async fn run_once(&self, publisher: &Publisher) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT id, kind, order_id, payload, now(), created_at FROM outbox
-                  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                "SELECT id, kind, order_id, payload, now(), created_at, attempts FROM outbox
+                  WHERE not_before <= now()
+                  ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
                 &[&self.batch_size],
             )
             .await?;
         if rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }
-        let outgoing: Vec<Outgoing> = rows
-            .iter()
-            .map(|r| {
-                let (db_now, written): (DateTime<Utc>, DateTime<Utc>) = (r.get(4), r.get(5));
-                let lag = (db_now - written).to_std().unwrap_or_default();
-                self.outgoing(r.get(0), r.get(1), r.get(2), r.get(3), db_now, lag)
-            })
-            .collect();
+        let mut outgoing = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let (db_now, written): (DateTime<Utc>, DateTime<Utc>) = (r.try_get(4)?, r.try_get(5)?);
+            let lag = (db_now - written).to_std().unwrap_or_default();
+            let row = OutboxRow {
+                outbox_id: r.try_get(0)?,
+                kind: r.try_get(1)?,
+                order_id: r.try_get(2)?,
+                payload: r.try_get(3)?,
+                attempts: u32::try_from(r.try_get::<_, i32>(6)?).unwrap_or(0),
+            };
+            outgoing.push(self.outgoing(row, db_now, lag));
+        }
         let messages = outgoing
             .iter()
             .map(|o| {
@@ -139,7 +138,7 @@ impl Relay {
         let mut sent_ids = Vec::new();
         let mut hop_orders = Vec::new();
         let mut hop_details = Vec::new();
-        let mut refused = 0;
+        let mut later = Later::default();
         let mut broken = None;
         for (o, result) in outgoing.iter().zip(results) {
             match result {
@@ -151,12 +150,23 @@ impl Relay {
                         self.stats.hop(detail["tier"].as_str());
                     }
                 }
-                Err(BrokerError::Nacked { .. }) => refused += 1,
+                Err(e @ (BrokerError::Nacked { .. } | BrokerError::Unroutable { .. })) => {
+                    later.add(o, &e)
+                }
                 Err(e) => broken = Some(e),
             }
         }
         tx.execute("DELETE FROM outbox WHERE id = ANY($1)", &[&sent_ids])
             .await?;
+        tx.execute(
+            "UPDATE outbox o
+                SET attempts = o.attempts + 1, last_error = r.error,
+                    not_before = now() + r.ms * interval '1 millisecond'
+               FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS r(id, ms, error)
+              WHERE o.id = r.id",
+            &[&later.ids, &later.delay_ms, &later.errors],
+        )
+        .await?;
         tx.execute(
             "INSERT INTO order_events (order_id, event, detail)
              SELECT * FROM unnest($1::bigint[], array_fill('hop'::text, ARRAY[cardinality($1)]), $2::jsonb[])",
@@ -165,77 +175,26 @@ impl Relay {
         .await?;
         tx.commit().await?;
         self.stats.record(Outcome::Relayed, sent_ids.len() as u64);
-        self.stats.record(Outcome::PublishRefused, refused as u64);
+        self.stats
+            .record(Outcome::PublishRefused, later.refused as u64);
+        self.stats
+            .record(Outcome::Unroutable, later.returned as u64);
+        if let Some(error) = later.errors.first() {
+            tracing::warn!(
+                refused = later.refused,
+                returned = later.returned,
+                %error,
+                "relay: the broker did not take some rows; rescheduled with back-off"
+            );
+        }
         if let Some(e) = broken {
             return Err(e.into());
         }
         Ok(RelayOutcome::Published {
             sent: sent_ids.len(),
-            refused,
+            refused: later.refused,
+            returned: later.returned,
         })
-    }
-
-    fn outgoing(
-        &self,
-        outbox_id: i64,
-        kind: String,
-        order_id: i64,
-        payload: Value,
-        db_now: DateTime<Utc>,
-        lag: Duration,
-    ) -> Outgoing {
-        if kind == "stock.release" {
-            return Outgoing {
-                outbox_id,
-                order_id,
-                exchange: self.names.events_exchange(),
-                routing_key: STOCK_RELEASE_ROUTING_KEY.into(),
-                body: payload.to_string().into_bytes(),
-                properties: BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_content_type(ShortString::from("application/json"))
-                    .with_message_id(ShortString::from(format!("release-{order_id}"))),
-                hop: None,
-            };
-        }
-        let mut with_version = payload.clone();
-        with_version["v"] = json!(crate::message::MESSAGE_VERSION);
-        match serde_json::from_value::<TimeoutMessage>(with_version) {
-            Ok(mut message) => {
-                let route = Route::for_remaining(
-                    &self.names,
-                    &self.tiers,
-                    message.remaining(db_now),
-                    self.slack(lag),
-                );
-                message.hops = u32::from(route.tier.is_some());
-                let tier = route.tier.map(|t| t.name()).unwrap_or_else(|| "due".into());
-                Outgoing {
-                    outbox_id,
-                    order_id,
-                    hop: Some(
-                        json!({"tier": tier, "by": "relay", "deadline_version": message.deadline_version}),
-                    ),
-                    exchange: route.exchange,
-                    routing_key: route.routing_key,
-                    body: message.encode(),
-                    properties: message.properties(),
-                }
-            }
-            // Cannot happen for rows written by lapse's functions; never lose it.
-            Err(e) => Outgoing {
-                outbox_id,
-                order_id,
-                exchange: self.names.parked(),
-                routing_key: String::new(),
-                body: payload.to_string().into_bytes(),
-                properties: parked_properties(
-                    &BasicProperties::default().with_delivery_mode(2),
-                    &format!("relay: outbox row {outbox_id} is not a timeout intent: {e}"),
-                ),
-                hop: None,
-            },
-        }
     }
 
     /// Runs rounds until `token` is cancelled, reconnecting to the broker as needed.
@@ -278,18 +237,17 @@ impl Relay {
                 break Err(BrokerError::ConnectionLost);
             }
             match self.run_once(&publisher).await {
-                Ok(RelayOutcome::Published { sent, refused: 0 }) => {
+                // Refused and returned rows were rescheduled: no reason to slow down
+                // the rows behind them.
+                Ok(RelayOutcome::Published {
+                    sent,
+                    refused,
+                    returned,
+                }) => {
                     backoff.reset();
-                    if sent < self.batch_size as usize {
+                    if sent + refused + returned < self.batch_size as usize {
                         wait(wake, poll, token).await;
                     }
-                }
-                Ok(RelayOutcome::Published { refused, .. }) => {
-                    tracing::warn!(
-                        refused,
-                        "relay: broker refused publishes (queue full?); backing off"
-                    );
-                    backoff.sleep(token).await;
                 }
                 Ok(RelayOutcome::Idle) => wait(wake, poll, token).await,
                 Err(RelayError::Broker(e)) => break Err(e),
@@ -301,6 +259,30 @@ impl Relay {
         };
         broker::close_quietly(&conn, "relay stopping").await;
         result
+    }
+}
+
+/// Rows to try again later, with why and when.
+#[derive(Default)]
+struct Later {
+    ids: Vec<i64>,
+    delay_ms: Vec<i64>,
+    errors: Vec<String>,
+    refused: usize,
+    returned: usize,
+}
+
+impl Later {
+    fn add(&mut self, o: &Outgoing, error: &BrokerError) {
+        let delay = retry::retry_delay(o.attempts, o.reroute_after);
+        self.ids.push(o.outbox_id);
+        self.delay_ms
+            .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        self.errors.push(error.to_string());
+        match error {
+            BrokerError::Unroutable { .. } => self.returned += 1,
+            _ => self.refused += 1,
+        }
     }
 }
 

@@ -3,15 +3,24 @@
 //! event a no-op; ledger rows and stock changes commit in one statement. The order
 //! lines come from the database, not from the message. Stock rows are locked in SKU
 //! order, like every other writer of stock, so releases never deadlock with orders.
+//! The same transaction stamps `orders.released_at`, which the reconciler relies on.
+//!
+//! Failure handling: a transient database error (outage, deadlock, serialization
+//! failure) never gives a delivery back to the broker — that would spend its
+//! `x-delivery-limit` budget and park a release that only needed a retry. The batch
+//! stays unacknowledged and the transaction is retried with back-off until it
+//! commits or shutdown. A permanent error (bad data) splits the batch until the
+//! failing event is alone; only that one is parked, after lapse's own bounded tries.
 
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::batch::ConsumerSession;
 use crate::broker::{BrokerError, Publisher};
 use crate::config::Secret;
@@ -24,6 +33,17 @@ use crate::topology::Names;
 #[derive(Deserialize)]
 struct ReleaseEvent {
     order_id: i64,
+}
+
+/// Tries of one release that fails with a permanent (non-transient) error before it
+/// is parked. lapse's own bound: the broker's delivery count is never spent on it.
+pub const PERMANENT_ATTEMPTS: u32 = 3;
+
+/// A decoded event held unacknowledged until its release commits or it is parked.
+struct Pending {
+    delivery: Delivery,
+    order_id: i64,
+    failures: u32,
 }
 
 const RELEASE_SQL: &str = "
@@ -68,8 +88,15 @@ impl Releaser {
         )
         .await?;
         let row = tx.query_one(RELEASE_SQL, &[&order_ids]).await?;
+        // What the reconciler looks for: CLOSED orders without this stamp.
+        tx.execute(
+            "UPDATE orders SET released_at = clock_timestamp()
+              WHERE id = ANY($1) AND status = 'CLOSED' AND released_at IS NULL",
+            &[&order_ids],
+        )
+        .await?;
         tx.commit().await?;
-        Ok(row.get(0))
+        Ok(row.try_get(0)?)
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
@@ -95,7 +122,7 @@ impl Releaser {
                 .await
             {
                 Ok(Some(batch)) => {
-                    if let Err(e) = self.process(batch, &session.publisher).await {
+                    if let Err(e) = self.process(batch, &session.publisher, token).await {
                         break Err(e);
                     }
                 }
@@ -107,56 +134,106 @@ impl Releaser {
         result
     }
 
+    /// Releases one batch. Undecodable events are parked at once. A transient
+    /// database error keeps the deliveries unacknowledged and retries with back-off
+    /// until the release commits or `token` is cancelled (then they return to the
+    /// queue when the channel closes): an outage never spends a delivery's budget.
+    /// A permanent error splits the batch until the one event that fails is alone;
+    /// that event is tried [`PERMANENT_ATTEMPTS`] times, then parked with the reason.
     async fn process(
         &self,
         batch: Vec<Delivery>,
         publisher: &Publisher,
+        token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let mut ids = Vec::new();
         let mut good = Vec::new();
         for delivery in batch {
             match serde_json::from_slice::<ReleaseEvent>(&delivery.data) {
-                Ok(event) => {
-                    ids.push(event.order_id);
-                    good.push(delivery);
-                }
+                Ok(event) => good.push(Pending {
+                    delivery,
+                    order_id: event.order_id,
+                    failures: 0,
+                }),
                 Err(e) => {
                     let reason = format!("not a stock-release event: {e}");
-                    tracing::warn!(%reason, "releaser: parking a message");
-                    let properties = parked_properties(&delivery.properties, &reason);
-                    publisher
-                        .publish(&self.names.parked(), "", &delivery.data, properties)
-                        .await?;
-                    self.ack(&delivery).await?;
-                    self.stats.record(Outcome::Parked, 1);
+                    self.park(publisher, &delivery, &reason).await?;
                 }
             }
         }
-        if good.is_empty() {
-            return Ok(());
-        }
-        match self.release(&ids).await {
-            Ok(applied) => {
-                self.stats.record(Outcome::Released, applied as u64);
-                for d in &good {
-                    self.ack(d).await?;
+        let mut work = vec![good];
+        let mut backoff = Backoff::new();
+        while let Some(mut chunk) = work.pop() {
+            if chunk.is_empty() {
+                continue;
+            }
+            let ids: Vec<i64> = chunk.iter().map(|p| p.order_id).collect();
+            match self.release(&ids).await {
+                Ok(applied) => {
+                    backoff.reset();
+                    self.stats
+                        .record(Outcome::Released, u64::try_from(applied).unwrap_or(0));
+                    for p in &chunk {
+                        self.ack(&p.delivery).await?;
+                    }
+                }
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e.detail(), held = chunk.len(),
+                        "releaser: database unavailable; holding the deliveries and retrying");
+                    self.stats
+                        .record(Outcome::ReleaseRetried, chunk.len() as u64);
+                    backoff.sleep(token).await;
+                    if token.is_cancelled() {
+                        return Ok(());
+                    }
+                    work.push(chunk);
+                }
+                Err(e) if chunk.len() > 1 => {
+                    // Narrow down to the event that fails; the others go through.
+                    tracing::debug!(error = %e.detail(), size = chunk.len(),
+                        "releaser: permanent error; splitting the batch");
+                    let right = chunk.split_off(chunk.len() / 2);
+                    work.push(right);
+                    work.push(chunk);
+                }
+                Err(e) => {
+                    let Some(mut one) = chunk.pop() else { continue };
+                    one.failures += 1;
+                    if one.failures < PERMANENT_ATTEMPTS {
+                        tracing::warn!(error = %e.detail(), order_id = one.order_id,
+                            attempt = one.failures, "releaser: release failed; trying again");
+                        backoff.sleep(token).await;
+                        if token.is_cancelled() {
+                            return Ok(());
+                        }
+                        work.push(vec![one]);
+                    } else {
+                        let reason = format!(
+                            "stock release of order {} failed {} times: {}",
+                            one.order_id,
+                            one.failures,
+                            e.detail()
+                        );
+                        self.park(publisher, &one.delivery, &reason).await?;
+                    }
                 }
             }
-            Err(e) => {
-                // Deadlock or outage: the broker redelivers (the delivery limit parks a poison one).
-                tracing::warn!(error = %e, "releaser: database error; returning deliveries to the queue");
-                for d in &good {
-                    let _ = d
-                        .acker
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
         }
+        Ok(())
+    }
+
+    async fn park(
+        &self,
+        publisher: &Publisher,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<(), BrokerError> {
+        tracing::warn!(%reason, "releaser: parking a message");
+        let properties = parked_properties(&delivery.properties, reason);
+        publisher
+            .publish(&self.names.parked(), "", &delivery.data, properties)
+            .await?;
+        self.ack(delivery).await?;
+        self.stats.record(Outcome::Parked, 1);
         Ok(())
     }
 

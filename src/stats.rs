@@ -37,9 +37,17 @@ pub enum Outcome {
     PublishRefused,
     /// Stock releaser: (order, sku) releases applied.
     Released,
+    /// Stock releaser: a batch kept (unacknowledged) and retried after a transient
+    /// database error; counts deliveries per retry.
+    ReleaseRetried,
+    /// A publish the broker could not route to any queue (returned, `mandatory`):
+    /// the relay keeps the outbox row, the worker parks the delivery with the reason.
+    Unroutable,
+    /// Reconciler: a CLOSED order's lost stock release emitted again (should stay 0).
+    ReleaseRepaired,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 14] = [
+pub const ALL_OUTCOMES: [Outcome; 17] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
@@ -54,6 +62,9 @@ pub const ALL_OUTCOMES: [Outcome; 14] = [
     Outcome::Relayed,
     Outcome::PublishRefused,
     Outcome::Released,
+    Outcome::ReleaseRetried,
+    Outcome::Unroutable,
+    Outcome::ReleaseRepaired,
 ];
 
 impl Outcome {
@@ -73,6 +84,9 @@ impl Outcome {
             Outcome::Relayed => "relayed",
             Outcome::PublishRefused => "publish_refused",
             Outcome::Released => "released",
+            Outcome::ReleaseRetried => "release_retried",
+            Outcome::Unroutable => "unroutable",
+            Outcome::ReleaseRepaired => "release_repaired",
         }
     }
 
@@ -87,7 +101,7 @@ impl Outcome {
 /// Shared counters; cheap to clone.
 #[derive(Clone, Default)]
 pub struct Stats {
-    counts: Arc<[AtomicU64; 14]>,
+    counts: Arc<[AtomicU64; ALL_OUTCOMES.len()]>,
 }
 
 impl Stats {

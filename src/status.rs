@@ -1,6 +1,6 @@
 //! `lapse status`: one look at the health of a deployment — tier and queue depths
-//! from the broker, overdue UNPAID orders and the outbox from the database, and the
-//! lateness of recent closes.
+//! from the broker, overdue UNPAID orders and the outbox from the database, the
+//! lateness of recent closes, and the stock releases the reconciler had to repair.
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -25,9 +25,17 @@ pub struct Status {
     pub oldest_overdue_ms: Option<f64>,
     pub outbox_rows: i64,
     pub oldest_outbox_ms: Option<f64>,
+    /// Outbox rows the broker refused (a full tier) or returned (no queue bound),
+    /// waiting for their retry.
+    pub outbox_retrying: i64,
     pub recent_window_minutes: i64,
     pub recent_closes: i64,
     pub recent_sweeper_closes: i64,
+    /// Orders whose lost stock release the reconciler emitted again within the
+    /// window (should be 0).
+    pub recent_release_repairs: i64,
+    /// Re-emissions ever (should be 0).
+    pub release_repairs_total: i64,
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
@@ -77,7 +85,9 @@ pub async fn collect<C: GenericClient>(
         .map_err(DbError::from)?;
     let outbox = db
         .query_one(
-            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000 FROM outbox",
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000,
+                    count(*) FILTER (WHERE attempts > 0)
+               FROM outbox",
             &[],
         )
         .await
@@ -94,15 +104,20 @@ pub async fn collect<C: GenericClient>(
         )
         .await
         .map_err(DbError::from)?;
+    let (recent_release_repairs, release_repairs_total) =
+        crate::reconciler::repairs(db, RECENT_MINUTES).await?;
     Ok(Status {
         queues,
         overdue_unpaid: overdue.get(0),
         oldest_overdue_ms: overdue.get(1),
         outbox_rows: outbox.get(0),
         oldest_outbox_ms: outbox.get(1),
+        outbox_retrying: outbox.get(2),
         recent_window_minutes: RECENT_MINUTES,
         recent_closes: recent.get(0),
         recent_sweeper_closes: recent.get(1),
+        recent_release_repairs,
+        release_repairs_total,
         lateness_p50_ms: recent.get(2),
         lateness_p99_ms: recent.get(3),
         lateness_max_ms: recent.get(4),
@@ -132,17 +147,20 @@ impl Status {
             out.push_str(&format!("  {:<40} {:<14} {depth}\n", q.queue, role));
         }
         out.push_str(&format!(
-            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {})\n",
+            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
             self.overdue_unpaid,
             ms(self.oldest_overdue_ms),
             self.outbox_rows,
             ms(self.oldest_outbox_ms),
+            self.outbox_retrying,
         ));
         out.push_str(&format!(
-            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  lateness           p50 {}, p99 {}, max {}\n",
+            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
             self.recent_window_minutes,
             self.recent_closes,
             self.recent_sweeper_closes,
+            self.recent_release_repairs,
+            self.release_repairs_total,
             ms(self.lateness_p50_ms),
             ms(self.lateness_p99_ms),
             ms(self.lateness_max_ms),

@@ -3,7 +3,8 @@
 //! index, bounded batches, a pause between them — and closes them through the same
 //! close path as the worker. What it closes should be ~0; a rise means the message
 //! path is losing timeouts. It also reports outbox rows older than a threshold (a
-//! stuck relay).
+//! stuck relay), and, still as the leader, runs the release reconciler
+//! ([`crate::reconciler`]), which emits again the stock releases lost after a close.
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
@@ -14,6 +15,7 @@ use crate::config::SweeperConfig;
 use crate::db::DbError;
 use crate::health::Health;
 use crate::rate::RateLimiter;
+use crate::reconciler;
 use crate::stats::{Outcome, Stats};
 
 /// Advisory lock key of the sweeper leader ("sweep").
@@ -36,6 +38,8 @@ pub struct SweepReport {
     pub closed: usize,
     /// Outbox rows older than `stuck_outbox_after`.
     pub stuck_outbox: i64,
+    /// Lost stock releases the reconciler emitted again (should be 0).
+    pub releases_repaired: usize,
 }
 
 impl Sweeper {
@@ -48,7 +52,13 @@ impl Sweeper {
         if !leader {
             return Ok(SweepReport::default());
         }
-        let result = self.sweep(&mut client).await;
+        let mut result = self.sweep(&mut client).await;
+        if let Ok(report) = &mut result {
+            match reconciler::run_once(&mut client, &self.config, &self.stats).await {
+                Ok(r) => report.releases_repaired = r.repaired,
+                Err(e) => result = Err(e),
+            }
+        }
         let _ = client
             .execute("SELECT pg_advisory_unlock($1)", &[&LEADER_LOCK])
             .await;

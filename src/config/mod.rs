@@ -158,6 +158,10 @@ pub struct SweeperConfig {
     /// Outbox rows older than this are reported as a stuck relay.
     #[serde(with = "humantime_serde")]
     pub stuck_outbox_after: Duration,
+    /// A CLOSED order still unreleased this long after its close has lost its stock
+    /// release; the reconciler emits it again.
+    #[serde(with = "humantime_serde")]
+    pub release_grace: Duration,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -207,6 +211,7 @@ impl Default for Config {
                 batch_size: 500,
                 pause: Duration::from_millis(20),
                 stuck_outbox_after: Duration::from_secs(60),
+                release_grace: Duration::from_secs(60),
             },
             orders: OrdersConfig {
                 initial_stock: 1000,
@@ -266,6 +271,12 @@ impl Config {
         positive("worker.max_attempts", u64::from(self.worker.max_attempts))?;
         positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
+        if self.sweeper.release_grace.is_zero() {
+            return Err(ConfigError::new(
+                "sweeper.release_grace",
+                "must be greater than 0 (releases still in flight would be emitted again)",
+            ));
+        }
         if self.orders.initial_stock < 0 {
             return Err(ConfigError::new(
                 "orders.initial_stock",

@@ -56,6 +56,7 @@ fn errors_name_the_key_and_hide_secrets() {
             ("[broker]\nurl = \"http://guest:s3cret@x\"", "broker.url"),
             ("[database]\nurl = \"::s3cret::\"", "database.url"),
             ("[broker]\nprefix = \"a b\"", "broker.prefix"),
+            ("[sweeper]\nrelease_grace = \"0s\"", "sweeper.release_grace"),
         ];
         for (text, key) in cases {
             jail.create_file("lapse.toml", text)?;

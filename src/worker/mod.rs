@@ -199,12 +199,25 @@ impl Consumer {
         }
         let results = publisher.publish_all(to_publish).await;
         let mut broken = None;
+        let mut unroutable = Vec::new();
         for ((delivery, outcome), result) in waiting.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     ack(&delivery).await?;
                     self.stats.record(outcome, 1);
                     report.acked += 1;
+                }
+                // Confirmed but routed nowhere: acknowledging would lose it.
+                Err(e @ BrokerError::Unroutable { .. }) => {
+                    tracing::warn!(error = %e, "worker: publish unroutable; parking the delivery");
+                    let properties = parked_properties(&delivery.properties, &e.to_string());
+                    let copy = (
+                        self.names.parked(),
+                        String::new(),
+                        delivery.data.clone(),
+                        properties,
+                    );
+                    unroutable.push((copy, delivery));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "worker: publish refused; returning the delivery to the queue");
@@ -224,6 +237,12 @@ impl Consumer {
                 }
             }
         }
+        if let Err(e) = self
+            .park_unroutable(unroutable, publisher, &mut report)
+            .await
+        {
+            broken.get_or_insert(e);
+        }
         self.record_hops(hops).await;
         // Pay for the closes after the fact: the next batch waits, so a backlog
         // drains at the configured rate. Only closes count, not duplicates or stale ones.
@@ -232,6 +251,39 @@ impl Consumer {
             Some(e) => Err(e),
             None => Ok(report),
         }
+    }
+
+    /// Parks deliveries whose publish no queue took, with the reason, then
+    /// acknowledges them; a delivery whose parked copy fails too goes back to the queue.
+    async fn park_unroutable(
+        &self,
+        parked: Vec<(PublishItem, Delivery)>,
+        publisher: &Publisher,
+        report: &mut BatchReport,
+    ) -> Result<(), BrokerError> {
+        if parked.is_empty() {
+            return Ok(());
+        }
+        let (copies, deliveries): (Vec<PublishItem>, Vec<Delivery>) = parked.into_iter().unzip();
+        let mut broken = None;
+        for (delivery, result) in deliveries.iter().zip(publisher.publish_all(copies).await) {
+            match result {
+                Ok(()) => {
+                    ack(delivery).await?;
+                    self.stats.record(Outcome::Unroutable, 1);
+                    report.acked += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker: parking failed; returning the delivery to the queue");
+                    requeue(delivery).await;
+                    report.requeued += 1;
+                    if !matches!(e, BrokerError::Nacked { .. }) {
+                        broken.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        broken.map_or(Ok(()), Err)
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.
@@ -251,6 +303,19 @@ impl Consumer {
             )
             .await;
     }
+}
+
+/// A publish: exchange, routing key, body, properties.
+type PublishItem = (String, String, Vec<u8>, BasicProperties);
+
+async fn requeue(delivery: &Delivery) {
+    let _ = delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await;
 }
 
 async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {

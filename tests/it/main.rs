@@ -11,5 +11,8 @@ mod helpers;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod publish_faults;
+mod queues;
+mod release_repair;
 mod secrets;
 mod topology;

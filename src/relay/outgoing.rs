@@ -1,0 +1,125 @@
+//! Where one outbox row goes: a stock-release event to `<P>.events`; a timeout intent
+//! to the tier chosen from the database clock (or the due queue); a row that is
+//! neither to `<P>.parked` with the reason.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use lapin::types::ShortString;
+use serde_json::{Value, json};
+
+use super::Relay;
+use crate::message::{Route, TimeoutMessage, parked_properties};
+use crate::topology::STOCK_RELEASE_ROUTING_KEY;
+
+/// An outbox row as the relay read it.
+pub(super) struct OutboxRow {
+    pub outbox_id: i64,
+    pub kind: String,
+    pub order_id: i64,
+    pub payload: Value,
+    /// Earlier refusals of this row (it was rescheduled each time).
+    pub attempts: u32,
+}
+
+/// A row ready to publish.
+pub(super) struct Outgoing {
+    pub outbox_id: i64,
+    pub order_id: i64,
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+    /// The timeline event of a timeout's first hop.
+    pub hop: Option<Value>,
+    pub attempts: u32,
+    /// How soon this row would be routed elsewhere (a timeout whose remaining time
+    /// drops below its tier); `None` when its route does not change with time.
+    pub reroute_after: Option<Duration>,
+}
+
+impl Relay {
+    /// How much longer than the remaining time a first hop's tier may be: the time
+    /// the relay itself took since the intent's transaction began (plus 1 ms for the
+    /// deadline's truncation to milliseconds), capped by `worker.tier_tolerance`. A
+    /// deadline equal to a tier then takes one hop, and the tier choice adds no more
+    /// lateness than the relay's own lag.
+    fn slack(&self, lag: Duration) -> Duration {
+        (lag + Duration::from_millis(1)).min(self.tolerance)
+    }
+
+    pub(super) fn outgoing(
+        &self,
+        row: OutboxRow,
+        db_now: DateTime<Utc>,
+        lag: Duration,
+    ) -> Outgoing {
+        let OutboxRow {
+            outbox_id,
+            kind,
+            order_id,
+            payload,
+            attempts,
+        } = row;
+        if kind == "stock.release" {
+            return Outgoing {
+                outbox_id,
+                order_id,
+                exchange: self.names.events_exchange(),
+                routing_key: STOCK_RELEASE_ROUTING_KEY.into(),
+                body: payload.to_string().into_bytes(),
+                properties: BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_content_type(ShortString::from("application/json"))
+                    .with_message_id(ShortString::from(format!("release-{order_id}"))),
+                hop: None,
+                attempts,
+                reroute_after: None,
+            };
+        }
+        let mut with_version = payload.clone();
+        with_version["v"] = json!(crate::message::MESSAGE_VERSION);
+        match serde_json::from_value::<TimeoutMessage>(with_version) {
+            Ok(mut message) => {
+                let remaining = message.remaining(db_now);
+                let slack = self.slack(lag);
+                let route = Route::for_remaining(&self.names, &self.tiers, remaining, slack);
+                message.hops = u32::from(route.tier.is_some());
+                // The chosen tier fits while remaining + slack >= tier.
+                let reroute_after = route
+                    .tier
+                    .map(|t| (remaining + slack).saturating_sub(t.duration()));
+                let tier = route.tier.map(|t| t.name()).unwrap_or_else(|| "due".into());
+                Outgoing {
+                    outbox_id,
+                    order_id,
+                    hop: Some(
+                        json!({"tier": tier, "by": "relay", "deadline_version": message.deadline_version}),
+                    ),
+                    exchange: route.exchange,
+                    routing_key: route.routing_key,
+                    body: message.encode(),
+                    properties: message.properties(),
+                    attempts,
+                    reroute_after,
+                }
+            }
+            // Cannot happen for rows written by lapse's functions; never lose it.
+            Err(e) => Outgoing {
+                outbox_id,
+                order_id,
+                exchange: self.names.parked(),
+                routing_key: String::new(),
+                body: payload.to_string().into_bytes(),
+                properties: parked_properties(
+                    &BasicProperties::default().with_delivery_mode(2),
+                    &format!("relay: outbox row {outbox_id} is not a timeout intent: {e}"),
+                ),
+                hop: None,
+                attempts,
+                reroute_after: None,
+            },
+        }
+    }
+}

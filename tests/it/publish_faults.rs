@@ -1,0 +1,172 @@
+//! Publishes the broker does not take: a queue deleted while the pipeline runs (the
+//! broker returns `mandatory` publishes it cannot route) and a full tier refusing
+//! (`reject-publish`). Nothing is lost, and a refused destination waits alone.
+
+use std::time::Duration;
+
+use lapse::orders::Line;
+use lapse::stats::Outcome;
+
+use crate::helpers::{
+    TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
+};
+use crate::queues;
+
+fn line() -> Vec<Line> {
+    vec![Line {
+        sku: "gadget".into(),
+        qty: 1,
+    }]
+}
+
+async fn reapply(env: &TestEnv) {
+    let report = lapse::topology::apply(&env.conn, &env.topology())
+        .await
+        .unwrap();
+    assert!(report.ok(), "{report:?}");
+}
+
+#[tokio::test]
+async fn releases_published_while_their_queue_is_deleted_wait_in_the_outbox_until_it_returns() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let worker = env.start(&env.config()).await;
+    let mut db = env.db().await;
+    create_orders(&mut db, &[Duration::from_millis(300); 10], &line()).await;
+    wait_released(&db, 10).await;
+    // Nothing in flight: an operator deletes the queue (to change its arguments).
+    queues::delete(&env.conn, &env.names().stock_release_queue()).await;
+
+    create_orders(&mut db, &[Duration::from_millis(300); 50], &line()).await;
+    eventually(
+        Duration::from_secs(60),
+        "orders closed, their releases held back in the outbox",
+        || async {
+            let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            let held = count(
+                &db,
+                "SELECT count(*) FROM outbox
+                  WHERE kind = 'stock.release' AND attempts > 0 AND last_error LIKE 'unroutable:%'",
+            )
+            .await;
+            (closed == 60 && held == 50).then_some(())
+        },
+    )
+    .await;
+    assert!(worker.stats.get(Outcome::Unroutable) >= 50);
+
+    reapply(&env).await;
+    wait_released(&db, 60).await;
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        0
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(0)
+    );
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn timeouts_published_while_the_due_queue_is_deleted_wait_in_the_outbox_until_it_returns() {
+    // Deadlines shorter than the only tier: the relay publishes them to the due queue.
+    let env = TestEnv::with_database(&["30s"]).await;
+    let worker = env.start(&env.config()).await;
+    let mut db = env.db().await;
+    create_orders(&mut db, &[Duration::from_millis(300); 5], &line()).await;
+    wait_released(&db, 5).await;
+    queues::delete(&env.conn, &env.names().due_queue()).await;
+
+    let deadlines: Vec<Duration> = (0..50u64)
+        .map(|i| Duration::from_millis(300 + i * 20))
+        .collect();
+    create_orders(&mut db, &deadlines, &line()).await;
+    eventually(
+        Duration::from_secs(60),
+        "timeout intents held back in the outbox",
+        || async {
+            let held = count(
+                &db,
+                "SELECT count(*) FROM outbox
+                  WHERE kind = 'timeout' AND attempts > 0 AND last_error LIKE 'unroutable:%'",
+            )
+            .await;
+            (held == 50).then_some(())
+        },
+    )
+    .await;
+    assert!(worker.stats.get(Outcome::Unroutable) >= 50);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await,
+        50
+    );
+
+    reapply(&env).await;
+    eventually(Duration::from_secs(60), "every order closed", || async {
+        (count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await == 0).then_some(())
+    })
+    .await;
+    assert_never_early(&db).await;
+    wait_released(&db, 55).await;
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(0)
+    );
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_full_tier_refuses_alone_while_other_intents_and_releases_flow() {
+    let env = TestEnv::with_database(&["2s", "1m"]).await;
+    // Every wait queue holds 5 messages; the broker refuses the rest (reject-publish).
+    env.write_tiers(&["2s", "1m"], "max_length = 5");
+    for tier in ["2s", "1m"] {
+        queues::delete(&env.conn, &format!("{}.wait.{tier}", env.prefix)).await;
+    }
+    reapply(&env).await;
+    let mut config = env.config();
+    config.relay.batch_size = 10;
+    let mut db = env.db().await;
+    // 40 deadlines for the 1m tier: 5 fit, 35 are refused for at least a minute.
+    create_orders(&mut db, &[Duration::from_secs(600); 40], &line()).await;
+    let worker = env.start(&config).await;
+    eventually(
+        Duration::from_secs(30),
+        "the full tier refusing",
+        || async { (worker.stats.get(Outcome::PublishRefused) >= 35).then_some(()) },
+    )
+    .await;
+
+    // Deadlines shorter than the smallest tier go to the due queue, and their stock
+    // releases to the events exchange: neither may wait behind the full tier.
+    create_orders(&mut db, &[Duration::from_millis(500); 30], &line()).await;
+    eventually(
+        Duration::from_secs(30),
+        "the other intents closed and released",
+        || async {
+            let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            let released = count(
+                &db,
+                "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+            )
+            .await;
+            (closed == 30 && released == 30).then_some(())
+        },
+    )
+    .await;
+    let still_refused = count(
+        &db,
+        "SELECT count(*) FROM outbox WHERE kind = 'timeout' AND attempts > 0",
+    )
+    .await;
+    assert!(
+        still_refused >= 30,
+        "the full tier was still refusing meanwhile ({still_refused} rows waiting)"
+    );
+    assert_never_early(&db).await;
+    worker.stop().await;
+    env.cleanup().await;
+}
