@@ -8,6 +8,7 @@ mod cli_orders;
 mod config_cli;
 mod endpoints;
 mod helpers;
+mod hostile_deadlines;
 mod outage;
 mod pipeline;
 mod private_pg;
