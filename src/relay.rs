@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::broker::{self, BrokerError, Publisher};
 use crate::config::{Config, Secret};
-use crate::db::{self, DbError};
+use crate::db::{self, DbError, column};
 use crate::health::Health;
 use crate::message::{Route, TimeoutMessage, parked_properties};
 use crate::stats::{Outcome, Stats};
@@ -118,12 +118,8 @@ impl Relay {
         }
         let outgoing: Vec<Outgoing> = rows
             .iter()
-            .map(|r| {
-                let (db_now, written): (DateTime<Utc>, DateTime<Utc>) = (r.get(4), r.get(5));
-                let lag = (db_now - written).to_std().unwrap_or_default();
-                self.outgoing(r.get(0), r.get(1), r.get(2), r.get(3), db_now, lag)
-            })
-            .collect();
+            .map(|r| self.decode(r))
+            .collect::<Result<_, DbError>>()?;
         let messages = outgoing
             .iter()
             .map(|o| {
@@ -175,6 +171,45 @@ impl Relay {
         })
     }
 
+    /// One outbox row as a publish. A row whose values cannot be decoded, or whose
+    /// payload is not a timeout intent, is published to the parked queue with the
+    /// reason (and deleted only after that publish is confirmed), never dropped.
+    fn decode(&self, r: &tokio_postgres::Row) -> Result<Outgoing, DbError> {
+        let outbox_id: i64 = column(r, 0)?;
+        let read = || -> Result<(String, i64, Value, DateTime<Utc>), DbError> {
+            Ok((column(r, 1)?, column(r, 2)?, column(r, 3)?, column(r, 4)?))
+        };
+        let (kind, order_id, payload, db_now) = match read() {
+            Ok(fields) => fields,
+            Err(e) => {
+                let reason = format!("relay: outbox row {outbox_id} cannot be read: {e}");
+                return Ok(self.parked(outbox_id, 0, b"", &reason));
+            }
+        };
+        // The lag only widens the tier choice; an unreadable write time counts as none.
+        let lag = column::<DateTime<Utc>>(r, 5)
+            .ok()
+            .and_then(|written| (db_now - written).to_std().ok())
+            .unwrap_or_default();
+        Ok(self.outgoing(outbox_id, kind, order_id, payload, db_now, lag))
+    }
+
+    fn parked(&self, outbox_id: i64, order_id: i64, body: &[u8], reason: &str) -> Outgoing {
+        tracing::warn!(outbox_id, %reason, "relay: parking an outbox row");
+        Outgoing {
+            outbox_id,
+            order_id,
+            exchange: self.names.parked(),
+            routing_key: String::new(),
+            body: body.to_vec(),
+            properties: parked_properties(
+                &BasicProperties::default().with_delivery_mode(2),
+                reason,
+            ),
+            hop: None,
+        }
+    }
+
     fn outgoing(
         &self,
         outbox_id: i64,
@@ -198,9 +233,20 @@ impl Relay {
                 hop: None,
             };
         }
-        let mut with_version = payload.clone();
-        with_version["v"] = json!(crate::message::MESSAGE_VERSION);
-        match serde_json::from_value::<TimeoutMessage>(with_version) {
+        let body = payload.to_string().into_bytes();
+        let not_an_intent = |why: String| {
+            self.parked(
+                outbox_id,
+                order_id,
+                &body,
+                &format!("relay: outbox row {outbox_id} is not a timeout intent: {why}"),
+            )
+        };
+        let Value::Object(mut fields) = payload else {
+            return not_an_intent("the payload is not a JSON object".into());
+        };
+        fields.insert("v".into(), json!(crate::message::MESSAGE_VERSION));
+        match serde_json::from_value::<TimeoutMessage>(Value::Object(fields)) {
             Ok(mut message) => {
                 let route = Route::for_remaining(
                     &self.names,
@@ -222,19 +268,8 @@ impl Relay {
                     properties: message.properties(),
                 }
             }
-            // Cannot happen for rows written by lapse's functions; never lose it.
-            Err(e) => Outgoing {
-                outbox_id,
-                order_id,
-                exchange: self.names.parked(),
-                routing_key: String::new(),
-                body: payload.to_string().into_bytes(),
-                properties: parked_properties(
-                    &BasicProperties::default().with_delivery_mode(2),
-                    &format!("relay: outbox row {outbox_id} is not a timeout intent: {e}"),
-                ),
-                hop: None,
-            },
+            // Rows written by lapse's functions always decode; anything else is kept.
+            Err(e) => not_an_intent(e.to_string()),
         }
     }
 

@@ -9,6 +9,7 @@ mod config_cli;
 mod endpoints;
 mod helpers;
 mod hostile_deadlines;
+mod hostile_rows;
 mod outage;
 mod pipeline;
 mod private_pg;
