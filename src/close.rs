@@ -8,7 +8,7 @@
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
-use crate::db::DbError;
+use crate::db::{DbError, column};
 
 /// Who closed an order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,12 +97,13 @@ pub async fn close_due<C: GenericClient>(
     let rows = client
         .query(CLOSE_SQL, &[&ids, &versions, &hops, &reason.as_str()])
         .await?;
-    Ok(rows
-        .iter()
-        .map(|r| Closed {
-            order_id: r.get(0),
-            expire_at: r.get(1),
-            closed_at: r.get(2),
+    rows.iter()
+        .map(|r| {
+            Ok(Closed {
+                order_id: column(r, 0)?,
+                expire_at: column(r, 1)?,
+                closed_at: column(r, 2)?,
+            })
         })
-        .collect())
+        .collect()
 }

@@ -4,6 +4,7 @@
 //! once apply each migration exactly once.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
@@ -25,20 +26,48 @@ pub enum DbError {
     Config(String),
     #[error("migration failed: {0}")]
     Migration(#[from] refinery::Error),
-    /// The database refused the operation by rule (e.g. insufficient stock).
+    /// The database refused the operation by rule (e.g. insufficient stock, a new
+    /// deadline that is not later than the current one).
     #[error("refused: {0}")]
     Refused(String),
+    /// A deadline that lapse does not accept (not finite, out of range, in the past,
+    /// beyond the horizon, or a duration that overflows): SQLSTATE LP001.
+    #[error("{0}")]
+    InvalidDeadline(String),
+    /// A value read from the database that lapse cannot use (e.g. an order deadline
+    /// written before the deadline rules existed).
+    #[error("unreadable value: {0}")]
+    Unreadable(String),
 }
 
-/// Turns an exception raised by lapse's SQL functions (SQLSTATE P0001) into
-/// [`DbError::Refused`]; other errors pass through.
+/// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
+/// [`DbError::InvalidDeadline`], LP002 and P0001 into [`DbError::Refused`]; other
+/// errors pass through.
 pub fn refusal(e: tokio_postgres::Error) -> DbError {
-    match e.as_db_error() {
-        Some(db) if *db.code() == tokio_postgres::error::SqlState::RAISE_EXCEPTION => {
+    let Some(db) = e.as_db_error() else {
+        return DbError::Postgres(e);
+    };
+    match db.code().code() {
+        crate::deadline::INVALID_DEADLINE_SQLSTATE => {
+            DbError::InvalidDeadline(db.message().to_string())
+        }
+        crate::deadline::NOT_LATER_SQLSTATE => DbError::Refused(db.message().to_string()),
+        _ if *db.code() == tokio_postgres::error::SqlState::RAISE_EXCEPTION => {
             DbError::Refused(db.message().to_string())
         }
         _ => DbError::Postgres(e),
     }
+}
+
+/// Decodes column `idx` of `row`, as a typed error instead of a panic.
+pub fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a tokio_postgres::Row,
+    idx: usize,
+) -> Result<T, DbError> {
+    row.try_get(idx).map_err(|e| {
+        let name = row.columns().get(idx).map_or("?", |c| c.name());
+        DbError::Unreadable(format!("column {name}: {e}"))
+    })
 }
 
 impl DbError {
@@ -162,15 +191,67 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
     Ok(())
 }
 
-/// Applies pending migrations; returns how many were applied.
+/// What the SQL functions enforce on their own (the one row of `lapse_settings`),
+/// written by [`migrate_with_settings`] from the configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// How far ahead a deadline may be (`orders.deadline_horizon`).
+    pub deadline_horizon: Duration,
+}
+
+impl Settings {
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        Self {
+            deadline_horizon: config.orders.deadline_horizon,
+        }
+    }
+}
+
+/// Writes `settings` into `lapse_settings`.
+pub async fn write_settings<C: tokio_postgres::GenericClient>(
+    client: &C,
+    settings: &Settings,
+) -> Result<(), DbError> {
+    let horizon_ms = crate::deadline::ceil_millis(settings.deadline_horizon)
+        .map_err(|e| DbError::Config(format!("orders.deadline_horizon: {e}")))?;
+    client
+        .execute(
+            "UPDATE lapse_settings
+                SET deadline_horizon = justify_hours($1::bigint * interval '1 millisecond')",
+            &[&horizon_ms],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Applies pending migrations; returns how many were applied. Leaves
+/// `lapse_settings` as it is (see [`migrate_with_settings`]).
 pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
+    run_migrations(url, None).await
+}
+
+/// Applies pending migrations, then writes `settings` (what `lapse migrate` and a
+/// starting worker do).
+pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<usize, DbError> {
+    run_migrations(url, Some(settings)).await
+}
+
+async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usize, DbError> {
     ensure_database(url).await?;
     let (mut client, connection) = connect(&pg_config(url)?).await?;
     let driver = tokio::spawn(connection);
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let report = migrations::runner().run_async(&mut client).await;
+    let mut report = migrations::runner()
+        .run_async(&mut client)
+        .await
+        .map_err(DbError::from);
+    if let (Ok(_), Some(settings)) = (&report, settings)
+        && let Err(e) = write_settings(&client, settings).await
+    {
+        report = Err(e);
+    }
     let _ = client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
         .await;

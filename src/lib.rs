@@ -11,6 +11,7 @@
 //! - [`broker`]: AMQP connections, argument tables, publishing with confirms.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
 //! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
+//! - [`deadline`]: what a deadline may be (range, rounding up, checked durations).
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
 //! - [`message`]: the timeout message, its encoding and its next route.
 //! - [`close`]: the one guarded close path, shared by worker and sweeper.
@@ -36,6 +37,7 @@ pub mod cli;
 pub mod close;
 pub mod config;
 pub mod db;
+pub mod deadline;
 pub mod health;
 pub mod http;
 pub mod management;

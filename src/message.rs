@@ -156,19 +156,26 @@ pub fn header_text(headers: Option<&FieldTable>, key: &str) -> Option<String> {
 }
 
 mod millis {
-    //! `expire_at` as RFC 3339 with millisecond precision, UTC.
+    //! `expire_at` as RFC 3339 with millisecond precision, UTC. Encoding rounds up (a
+    //! deadline is never carried earlier than it is); decoding refuses an instant
+    //! outside the range lapse handles (`crate::deadline`), so such a body is parked
+    //! as undecodable instead of reaching the decision.
     use chrono::{DateTime, SecondsFormat, Utc};
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+        // Only the very last representable instant cannot round up; it is far outside
+        // the range any decoder accepts anyway.
+        let t = crate::deadline::round_up_to_millis(*t).unwrap_or(*t);
         s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::Millis, true))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
         let text = String::deserialize(d)?;
-        DateTime::parse_from_rfc3339(&text)
+        let t = DateTime::parse_from_rfc3339(&text)
             .map(|t| t.with_timezone(&Utc))
-            .map_err(serde::de::Error::custom)
+            .map_err(|e| serde::de::Error::custom(format!("expire_at {text:?}: {e}")))?;
+        crate::deadline::checked(t).map_err(serde::de::Error::custom)
     }
 }
 
@@ -205,5 +212,54 @@ mod tests {
             TimeoutMessage::decode(br#"{"v": 1, "order_id": "x"}"#),
             Err(DecodeError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn a_deadline_outside_the_handled_range_is_undecodable() {
+        for expire_at in [
+            "275760-09-13T00:00:00.000Z",
+            "+275760-09-13T00:00:00.000Z",
+            "-0001-01-01T00:00:00.000Z",
+            "0000-01-01T00:00:00.000Z",
+            "+10000-01-01T00:00:00.000Z",
+            "10000-01-01T00:00:00.000Z",
+            "1969-12-31T23:59:59.999Z",
+            "infinity",
+            "-infinity",
+        ] {
+            let body =
+                format!(r#"{{"v":1,"order_id":1,"expire_at":"{expire_at}","deadline_version":1}}"#);
+            assert!(
+                matches!(
+                    TimeoutMessage::decode(body.as_bytes()),
+                    Err(DecodeError::Malformed(_))
+                ),
+                "{expire_at} was accepted"
+            );
+        }
+        let edge =
+            r#"{"v":1,"order_id":1,"expire_at":"9999-12-31T23:59:59.999Z","deadline_version":1}"#;
+        assert!(TimeoutMessage::decode(edge.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn counters_at_their_maximum_decode_and_larger_ones_do_not() {
+        let body = br#"{"v":1,"order_id":1,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":1,"attempt":4294967295,"hops":4294967295}"#;
+        let m = TimeoutMessage::decode(body).unwrap();
+        assert_eq!((m.attempt, m.hops), (u32::MAX, u32::MAX));
+        let over = br#"{"v":1,"order_id":1,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":1,"hops":4294967296}"#;
+        assert!(matches!(
+            TimeoutMessage::decode(over),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn encoding_rounds_a_sub_millisecond_deadline_up() {
+        let at = DateTime::parse_from_rfc3339("2026-12-02T10:15:00.123400Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let body = String::from_utf8(TimeoutMessage::new(1, at, 1).encode()).unwrap();
+        assert!(body.contains("2026-12-02T10:15:00.124Z"), "{body}");
     }
 }

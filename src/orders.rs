@@ -10,8 +10,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_postgres::GenericClient;
+use tokio_postgres::error::SqlState;
 
-use crate::db::DbError;
+use crate::db::{DbError, column};
+use crate::deadline::ceil_millis;
 
 /// An order's id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -52,6 +54,9 @@ impl std::str::FromStr for Line {
 }
 
 /// When an order expires: an absolute instant, or a duration from the database's now.
+/// The database checks it as it enters (finite, not in the past by more than 5 s,
+/// within `orders.deadline_horizon`) and rounds it up to the millisecond; a refused
+/// deadline is [`DbError::InvalidDeadline`].
 #[derive(Clone, Copy, Debug)]
 pub enum Deadline {
     At(DateTime<Utc>),
@@ -59,12 +64,28 @@ pub enum Deadline {
 }
 
 impl Deadline {
-    fn sql_params(&self) -> (Option<DateTime<Utc>>, i64) {
+    /// `(absolute, milliseconds from now)`; a duration is rounded up, never down, and
+    /// one that does not fit in milliseconds is refused rather than wrapped.
+    fn sql_params(&self) -> Result<(Option<DateTime<Utc>>, i64), DbError> {
         match self {
-            Deadline::At(t) => (Some(*t), 0),
-            Deadline::In(d) => (None, d.as_millis() as i64),
+            Deadline::At(t) => Ok((Some(*t), 0)),
+            Deadline::In(d) => Ok((None, ceil_millis(*d).map_err(invalid)?)),
         }
     }
+}
+
+fn invalid(e: crate::deadline::DeadlineError) -> DbError {
+    DbError::InvalidDeadline(e.to_string())
+}
+
+/// Errors of a statement whose only date arithmetic is the deadline: an overflow there
+/// (SQLSTATE 22008, e.g. now() + 300000 years) is an invalid deadline too.
+fn deadline_error(e: tokio_postgres::Error) -> DbError {
+    if e.code() == Some(&SqlState::DATETIME_FIELD_OVERFLOW) {
+        let detail = e.as_db_error().map_or("out of range", |d| d.message());
+        return DbError::InvalidDeadline(format!("invalid deadline: {detail}"));
+    }
+    crate::db::refusal(e)
 }
 
 /// `$1` absolute or `now() + $2 ms`, evaluated by the database clock.
@@ -87,13 +108,14 @@ pub async fn ensure_stock<C: GenericClient>(
 }
 
 /// Creates an UNPAID order, reserves its lines and writes its timeout intent.
-/// [`DbError::Refused`] when a SKU is unknown or short of stock.
+/// [`DbError::Refused`] when a SKU is unknown or short of stock,
+/// [`DbError::InvalidDeadline`] when the deadline is refused.
 pub async fn create<C: GenericClient>(
     client: &C,
     deadline: Deadline,
     lines: &[Line],
 ) -> Result<OrderId, DbError> {
-    let (at, in_ms) = deadline.sql_params();
+    let (at, in_ms) = deadline.sql_params()?;
     let lines = json!(lines);
     let row = client
         .query_one(
@@ -101,25 +123,28 @@ pub async fn create<C: GenericClient>(
             &[&at, &in_ms, &lines],
         )
         .await
-        .map_err(crate::db::refusal)?;
-    Ok(OrderId(row.get(0)))
+        .map_err(deadline_error)?;
+    Ok(OrderId(column(&row, 0)?))
 }
 
-/// Moves the deadline of an UNPAID order whose deadline has not passed; returns the
-/// new deadline version, or `None` when refused.
+/// Moves the deadline of an UNPAID order whose deadline has not passed (by the real
+/// clock) to a later one; returns the new deadline version, or `None` when refused
+/// (not found, not UNPAID, deadline passed). A new deadline that is not later than the
+/// current one is [`DbError::Refused`]; an invalid one [`DbError::InvalidDeadline`].
 pub async fn extend<C: GenericClient>(
     client: &C,
     id: OrderId,
     deadline: Deadline,
 ) -> Result<Option<i32>, DbError> {
-    let (at, in_ms) = deadline.sql_params();
+    let (at, in_ms) = deadline.sql_params()?;
     let row = client
         .query_one(
             &format!("SELECT lapse_extend_deadline($3, {DEADLINE_SQL})"),
             &[&at, &in_ms, &id.0],
         )
-        .await?;
-    Ok(row.get(0))
+        .await
+        .map_err(deadline_error)?;
+    column(&row, 0)
 }
 
 /// What a payment did.
@@ -129,9 +154,10 @@ pub enum PayOutcome {
     /// Accepted: the order was UNPAID and before its deadline.
     Paid,
     AlreadyPaid,
-    /// Refused: the deadline passed; the close has not happened yet.
+    /// Refused: the deadline passed (by the real clock); the close has not happened
+    /// yet. Recorded once as a late payment to refund.
     Expired,
-    /// Refused: the order was closed; recorded as a late payment to refund.
+    /// Refused: the order was closed; recorded once as a late payment to refund.
     Late,
     NotFound,
 }
@@ -140,7 +166,7 @@ pub async fn pay<C: GenericClient>(client: &C, id: OrderId) -> Result<PayOutcome
     let row = client
         .query_one("SELECT lapse_pay_order($1)", &[&id.0])
         .await?;
-    let outcome: String = row.get(0);
+    let outcome: String = column(&row, 0)?;
     Ok(match outcome.as_str() {
         "PAID" => PayOutcome::Paid,
         "ALREADY_PAID" => PayOutcome::AlreadyPaid,
@@ -167,11 +193,13 @@ pub struct OrderView {
     pub timeline: Vec<Value>,
 }
 
+/// An order as stored. [`DbError::Unreadable`] when a value cannot be decoded (e.g. a
+/// deadline written before the deadline rules existed): the message names the raw value.
 pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<OrderView>, DbError> {
     let Some(row) = client
         .query_opt(
             "SELECT status, created_at, expire_at, deadline_version, paid_at, closed_at, close_reason,
-                    (SELECT count(*) FROM late_payments WHERE order_id = $1)
+                    (SELECT count(*) FROM late_payments WHERE order_id = $1), expire_at::text
                FROM orders WHERE id = $1",
             &[&id.0],
         )
@@ -179,6 +207,15 @@ pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<Or
     else {
         return Ok(None);
     };
+    let expire_at = column(&row, 2)
+        .and_then(|t| crate::deadline::checked(t).map_err(|e| DbError::Unreadable(e.to_string())))
+        .map_err(|_| {
+            let raw: String = column(&row, 8).unwrap_or_else(|_| "?".into());
+            DbError::Unreadable(format!(
+                "order {id} has a deadline lapse cannot handle ({raw}); \
+                 see \"Orders with an unreadable deadline\" in docs/operations.md"
+            ))
+        })?;
     let lines = client
         .query(
             "SELECT sku, qty FROM order_lines WHERE order_id = $1 ORDER BY sku",
@@ -186,59 +223,74 @@ pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<Or
         )
         .await?
         .iter()
-        .map(|r| Line {
-            sku: r.get(0),
-            qty: r.get(1),
+        .map(|r| {
+            Ok(Line {
+                sku: column(r, 0)?,
+                qty: column(r, 1)?,
+            })
         })
-        .collect();
-    let ledger = client
-        .query(
-            "SELECT jsonb_build_object('sku', sku, 'kind', kind, 'qty', qty, 'at', at)
-               FROM stock_ledger WHERE order_id = $1 ORDER BY at, sku",
-            &[&id.0],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let timeline = client
-        .query(
-            "SELECT jsonb_build_object('at', at, 'event', event) || detail
-               FROM order_events WHERE order_id = $1 ORDER BY at",
-            &[&id.0],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        .collect::<Result<_, DbError>>()?;
+    let ledger = json_rows(
+        client,
+        "SELECT jsonb_build_object('sku', sku, 'kind', kind, 'qty', qty, 'at', at)
+           FROM stock_ledger WHERE order_id = $1 ORDER BY at, sku",
+        id,
+    )
+    .await?;
+    let timeline = json_rows(
+        client,
+        "SELECT jsonb_build_object('at', at, 'event', event) || detail
+           FROM order_events WHERE order_id = $1 ORDER BY at",
+        id,
+    )
+    .await?;
     Ok(Some(OrderView {
         id,
-        status: row.get(0),
-        created_at: row.get(1),
-        expire_at: row.get(2),
-        deadline_version: row.get(3),
-        paid_at: row.get(4),
-        closed_at: row.get(5),
-        close_reason: row.get(6),
-        late_payments: row.get(7),
+        status: column(&row, 0)?,
+        created_at: column(&row, 1)?,
+        expire_at,
+        deadline_version: column(&row, 3)?,
+        paid_at: column(&row, 4)?,
+        closed_at: column(&row, 5)?,
+        close_reason: column(&row, 6)?,
+        late_payments: column(&row, 7)?,
         lines,
         ledger,
         timeline,
     }))
 }
 
-/// Moves the deadline `by` later than it is now (see [`extend`]).
+async fn json_rows<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    id: OrderId,
+) -> Result<Vec<Value>, DbError> {
+    client
+        .query(sql, &[&id.0])
+        .await?
+        .iter()
+        .map(|r| column(r, 0))
+        .collect()
+}
+
+/// Moves the deadline `by` later than it is now (see [`extend`]); `by` is rounded up
+/// to the millisecond, and one too large to add is [`DbError::InvalidDeadline`].
 pub async fn extend_by<C: GenericClient>(
     client: &C,
     id: OrderId,
     by: Duration,
 ) -> Result<Option<i32>, DbError> {
+    let by_ms = ceil_millis(by).map_err(invalid)?;
     let row = client
-        .query_one(
-            "SELECT lapse_extend_deadline($1,
-                    (SELECT expire_at FROM orders WHERE id = $1) + $2::bigint * interval '1 millisecond')",
-            &[&id.0, &(by.as_millis() as i64)],
+        .query_opt(
+            "SELECT lapse_extend_deadline(id, expire_at + $2::bigint * interval '1 millisecond')
+               FROM orders WHERE id = $1",
+            &[&id.0, &by_ms],
         )
-        .await?;
-    Ok(row.get(0))
+        .await
+        .map_err(deadline_error)?;
+    match row {
+        Some(row) => column(&row, 0),
+        None => Ok(None),
+    }
 }

@@ -19,7 +19,6 @@ pub mod retry;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 use futures_util::StreamExt;
 use tokio::sync::Notify;
@@ -33,7 +32,7 @@ use crate::health::Health;
 use crate::stats::{Outcome, Stats};
 use crate::tier::TierSet;
 use crate::topology::Names;
-use outgoing::{OutboxRow, Outgoing};
+use outgoing::Outgoing;
 
 /// The channel the outbox trigger notifies.
 pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
@@ -110,19 +109,10 @@ impl Relay {
         if rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }
-        let mut outgoing = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let (db_now, written): (DateTime<Utc>, DateTime<Utc>) = (r.try_get(4)?, r.try_get(5)?);
-            let lag = (db_now - written).to_std().unwrap_or_default();
-            let row = OutboxRow {
-                outbox_id: r.try_get(0)?,
-                kind: r.try_get(1)?,
-                order_id: r.try_get(2)?,
-                payload: r.try_get(3)?,
-                attempts: u32::try_from(r.try_get::<_, i32>(6)?).unwrap_or(0),
-            };
-            outgoing.push(self.outgoing(row, db_now, lag));
-        }
+        let outgoing: Vec<Outgoing> = rows
+            .iter()
+            .map(|r| self.decode(r))
+            .collect::<Result<_, DbError>>()?;
         let messages = outgoing
             .iter()
             .map(|o| {

@@ -42,7 +42,8 @@ impl Service {
         token: CancellationToken,
     ) -> Result<Self, ServiceError> {
         if config.worker.migrate_on_start {
-            db::migrate(&config.database.url).await?;
+            db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config))
+                .await?;
         }
         let tiers = config.tier_file()?.tiers;
         let w = &config.worker;

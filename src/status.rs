@@ -8,7 +8,7 @@ use serde::Serialize;
 use tokio_postgres::GenericClient;
 
 use crate::broker::BrokerError;
-use crate::db::DbError;
+use crate::db::{DbError, column};
 use crate::topology::{QueueRole, Topology};
 
 #[derive(Debug, Serialize)]
@@ -23,6 +23,9 @@ pub struct Status {
     pub queues: Vec<QueueDepth>,
     pub overdue_unpaid: i64,
     pub oldest_overdue_ms: Option<f64>,
+    /// UNPAID orders whose deadline lies outside the range lapse handles (written
+    /// before the deadline rules existed): never closed until repaired.
+    pub unreadable_deadlines: i64,
     pub outbox_rows: i64,
     pub oldest_outbox_ms: Option<f64>,
     /// Outbox rows the broker refused (a full tier) or returned (no queue bound),
@@ -75,10 +78,15 @@ pub async fn collect<C: GenericClient>(
             messages,
         });
     }
+    let sane = crate::deadline::in_range_sql("expire_at");
     let overdue = db
         .query_one(
-            "SELECT count(*), extract(epoch FROM now() - min(expire_at))::float8 * 1000
-               FROM orders WHERE status = 'UNPAID' AND expire_at <= now()",
+            &format!(
+                "SELECT count(*) FILTER (WHERE {sane}),
+                        extract(epoch FROM now() - min(expire_at) FILTER (WHERE {sane}))::float8 * 1000,
+                        count(*) FILTER (WHERE NOT {sane})
+                   FROM orders WHERE status = 'UNPAID' AND (expire_at <= now() OR NOT {sane})"
+            ),
             &[],
         )
         .await
@@ -94,12 +102,14 @@ pub async fn collect<C: GenericClient>(
         .map_err(DbError::from)?;
     let recent = db
         .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE close_reason = 'sweeper'),
-                    percentile_cont(0.5) WITHIN GROUP (ORDER BY ms),
-                    percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms)
-               FROM (SELECT close_reason, extract(epoch FROM closed_at - expire_at)::float8 * 1000 AS ms
-                       FROM orders
-                      WHERE closed_at > now() - $1::bigint * interval '1 minute') r",
+            &format!(
+                "SELECT count(*), count(*) FILTER (WHERE close_reason = 'sweeper'),
+                        percentile_cont(0.5) WITHIN GROUP (ORDER BY ms),
+                        percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms)
+                   FROM (SELECT close_reason, extract(epoch FROM closed_at - expire_at)::float8 * 1000 AS ms
+                           FROM orders
+                          WHERE closed_at > now() - $1::bigint * interval '1 minute' AND {sane}) r"
+            ),
             &[&RECENT_MINUTES],
         )
         .await
@@ -108,19 +118,20 @@ pub async fn collect<C: GenericClient>(
         crate::reconciler::repairs(db, RECENT_MINUTES).await?;
     Ok(Status {
         queues,
-        overdue_unpaid: overdue.get(0),
-        oldest_overdue_ms: overdue.get(1),
-        outbox_rows: outbox.get(0),
-        oldest_outbox_ms: outbox.get(1),
-        outbox_retrying: outbox.get(2),
+        overdue_unpaid: column(&overdue, 0)?,
+        oldest_overdue_ms: column(&overdue, 1)?,
+        unreadable_deadlines: column(&overdue, 2)?,
+        outbox_rows: column(&outbox, 0)?,
+        oldest_outbox_ms: column(&outbox, 1)?,
+        outbox_retrying: column(&outbox, 2)?,
         recent_window_minutes: RECENT_MINUTES,
-        recent_closes: recent.get(0),
-        recent_sweeper_closes: recent.get(1),
+        recent_closes: column(&recent, 0)?,
+        recent_sweeper_closes: column(&recent, 1)?,
         recent_release_repairs,
         release_repairs_total,
-        lateness_p50_ms: recent.get(2),
-        lateness_p99_ms: recent.get(3),
-        lateness_max_ms: recent.get(4),
+        lateness_p50_ms: column(&recent, 2)?,
+        lateness_p99_ms: column(&recent, 3)?,
+        lateness_max_ms: column(&recent, 4)?,
     })
 }
 
@@ -154,6 +165,12 @@ impl Status {
             ms(self.oldest_outbox_ms),
             self.outbox_retrying,
         ));
+        if self.unreadable_deadlines > 0 {
+            out.push_str(&format!(
+                "  UNREADABLE         {} UNPAID orders with a deadline lapse cannot handle (docs/operations.md)\n",
+                self.unreadable_deadlines
+            ));
+        }
         out.push_str(&format!(
             "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
             self.recent_window_minutes,

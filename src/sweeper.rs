@@ -5,6 +5,8 @@
 //! path is losing timeouts. It also reports outbox rows older than a threshold (a
 //! stuck relay), and, still as the leader, runs the release reconciler
 //! ([`crate::reconciler`]), which emits again the stock releases lost after a close.
+//! An overdue row whose deadline lapse cannot handle (written before the deadline
+//! rules existed) is skipped with a reason and counted; the sweep goes on.
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
@@ -12,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::close::{self, Candidate, CloseReason};
 use crate::config::SweeperConfig;
-use crate::db::DbError;
+use crate::db::{DbError, column};
+use crate::deadline;
 use crate::health::Health;
 use crate::rate::RateLimiter;
 use crate::reconciler;
@@ -40,15 +43,37 @@ pub struct SweepReport {
     pub stuck_outbox: i64,
     /// Lost stock releases the reconciler emitted again (should be 0).
     pub releases_repaired: usize,
+    /// Overdue orders skipped because their deadline cannot be decoded or lies outside
+    /// the range lapse handles (written before the deadline rules existed).
+    pub unreadable: usize,
+}
+
+/// An overdue row as a close candidate, or why it is skipped.
+fn sweepable(row: &tokio_postgres::Row) -> Result<Candidate, String> {
+    let id: i64 = column(row, 0).map_err(|e| e.to_string())?;
+    let readable = column::<DateTime<Utc>>(row, 2)
+        .map_err(|e| e.to_string())
+        .and_then(|t| deadline::checked(t).map_err(|e| e.to_string()));
+    if let Err(e) = readable {
+        let raw: String = column(row, 3).unwrap_or_else(|_| "?".into());
+        return Err(format!("order {id} ({raw}): {e}"));
+    }
+    Ok(Candidate {
+        order_id: id,
+        deadline_version: column(row, 1).map_err(|e| format!("order {id}: {e}"))?,
+        hops: 0,
+    })
 }
 
 impl Sweeper {
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
-        let leader: bool = client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&LEADER_LOCK])
-            .await?
-            .get(0);
+        let leader: bool = column(
+            &client
+                .query_one("SELECT pg_try_advisory_lock($1)", &[&LEADER_LOCK])
+                .await?,
+            0,
+        )?;
         if !leader {
             return Ok(SweepReport::default());
         }
@@ -70,30 +95,33 @@ impl Sweeper {
             leader: true,
             ..Default::default()
         };
-        let grace_ms = self.config.grace.as_millis() as i64;
-        let mut after: (Option<DateTime<Utc>>, i64) = (None, 0);
+        let grace_ms = deadline::saturating_millis(self.config.grace);
+        // The cursor is the last row's id; the database reads its deadline itself, so
+        // pagination never depends on decoding a deadline.
+        let mut after: Option<i64> = None;
+        let mut unreadable = Vec::new();
         loop {
             let rows = client
                 .query(
-                    "SELECT id, deadline_version, expire_at FROM orders
+                    "SELECT id, deadline_version, expire_at, expire_at::text AS raw FROM orders
                       WHERE status = 'UNPAID'
                         AND expire_at < now() - $1::bigint * interval '1 millisecond'
-                        AND ($2::timestamptz IS NULL OR (expire_at, id) > ($2, $3))
+                        AND ($2::bigint IS NULL
+                             OR (expire_at, id) > ((SELECT expire_at FROM orders WHERE id = $2), $2))
                       ORDER BY expire_at, id
-                      LIMIT $4",
-                    &[&grace_ms, &after.0, &after.1, &self.config.batch_size],
+                      LIMIT $3",
+                    &[&grace_ms, &after, &self.config.batch_size],
                 )
                 .await?;
             let Some(last) = rows.last() else { break };
-            after = (Some(last.get(2)), last.get(0));
-            let candidates: Vec<Candidate> = rows
-                .iter()
-                .map(|r| Candidate {
-                    order_id: r.get(0),
-                    deadline_version: r.get(1),
-                    hops: 0,
-                })
-                .collect();
+            after = Some(column(last, 0)?);
+            let mut candidates = Vec::with_capacity(rows.len());
+            for row in &rows {
+                match sweepable(row) {
+                    Ok(candidate) => candidates.push(candidate),
+                    Err(reason) => unreadable.push(reason),
+                }
+            }
             let tx = client.transaction().await?;
             let closed = close::close_due(&*tx, &candidates, CloseReason::Sweeper).await?;
             tx.commit().await?;
@@ -103,21 +131,33 @@ impl Sweeper {
             }
             report.scanned += rows.len();
             report.closed += closed.len();
-            self.stats.record(Outcome::SweptClosed, closed.len() as u64);
-            if (rows.len() as i64) < self.config.batch_size {
+            self.stats.record(
+                Outcome::SweptClosed,
+                u64::try_from(closed.len()).unwrap_or(0),
+            );
+            if i64::try_from(rows.len()).unwrap_or(i64::MAX) < self.config.batch_size {
                 break;
             }
             tokio::time::sleep(self.config.pause).await;
         }
-        let stuck_ms = self.config.stuck_outbox_after.as_millis() as i64;
-        report.stuck_outbox = client
+        report.unreadable = unreadable.len();
+        metrics::gauge!("lapse_orders_unreadable_deadline").set(unreadable.len() as f64);
+        if !unreadable.is_empty() {
+            tracing::error!(
+                orders = unreadable.len(),
+                first = %unreadable.iter().take(5).cloned().collect::<Vec<_>>().join("; "),
+                "sweeper skipped overdue orders whose deadline lapse cannot handle; repair them (docs/operations.md)"
+            );
+        }
+        let stuck_ms = deadline::saturating_millis(self.config.stuck_outbox_after);
+        let stuck = client
             .query_one(
                 "SELECT count(*) FROM outbox
                   WHERE created_at < clock_timestamp() - $1::bigint * interval '1 millisecond'",
                 &[&stuck_ms],
             )
-            .await?
-            .get(0);
+            .await?;
+        report.stuck_outbox = column(&stuck, 0)?;
         metrics::gauge!("lapse_outbox_stuck_rows").set(report.stuck_outbox as f64);
         if report.closed > 0 {
             tracing::warn!(

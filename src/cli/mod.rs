@@ -1,7 +1,10 @@
 //! The command line: argument definitions and dispatch to the library.
 //!
-//! Exit status: 0 success, 1 the operation failed or was refused (drift, a payment
-//! after the deadline), 2 bad arguments or configuration.
+//! Exit status: 0 success, 1 the operation failed or was refused by rule (drift, a
+//! payment after the deadline, an extension that would not move the deadline later,
+//! insufficient stock, an order whose stored values cannot be read), 2 bad arguments
+//! or configuration (including a deadline the database refuses as invalid: overflow,
+//! past, beyond `orders.deadline_horizon`).
 
 mod order;
 mod topology;

@@ -13,7 +13,8 @@ use crate::orders::{self, Deadline, Line, OrderId, PayOutcome};
 pub enum OrderCommand {
     /// Create UNPAID orders with a payment deadline; prints their ids.
     Create {
-        /// Time until the deadline, by the database clock (e.g. 30m, 2s500ms).
+        /// Time until the deadline, by the database clock (e.g. 30m, 2s500ms); at most
+        /// orders.deadline_horizon (exit 2 otherwise).
         #[arg(long, value_parser = humantime::parse_duration)]
         expires_in: Duration,
         /// An order line SKU:QTY (repeatable). A new SKU starts with orders.initial_stock.
@@ -27,7 +28,8 @@ pub enum OrderCommand {
     },
     /// Pay an order (refused after its deadline; recorded as a late payment after a close).
     Pay { id: i64 },
-    /// Move an UNPAID order's deadline later, before it passes.
+    /// Move an UNPAID order's deadline later, before it passes (exit 1 when refused,
+    /// 2 when the new deadline is invalid, e.g. beyond orders.deadline_horizon).
     Extend {
         id: i64,
         #[arg(long, value_parser = humantime::parse_duration)]
@@ -68,6 +70,10 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
                             eprintln!("{e}; no order of this transaction was created");
                             return Ok(ExitStatus::Failed);
                         }
+                        Err(db::DbError::InvalidDeadline(e)) => {
+                            eprintln!("--expires-in: {e}; no order was created");
+                            return Ok(ExitStatus::Usage);
+                        }
                         Err(e) => return Err(e.into()),
                     }
                 }
@@ -102,31 +108,47 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
             println!("order {id}: {text}");
             Ok(status)
         }
-        OrderCommand::Extend { id, by } => match orders::extend_by(&**client, OrderId(id), by)
-            .await?
-        {
-            Some(version) => {
-                println!(
-                    "order {id}: deadline extended by {}, now version {version}",
-                    humantime::format_duration(by)
-                );
-                Ok(ExitStatus::Ok)
+        OrderCommand::Extend { id, by } => {
+            match orders::extend_by(&**client, OrderId(id), by).await {
+                Ok(Some(version)) => {
+                    println!(
+                        "order {id}: deadline extended by {}, now version {version}",
+                        humantime::format_duration(by)
+                    );
+                    Ok(ExitStatus::Ok)
+                }
+                Ok(None) => {
+                    println!(
+                        "order {id}: refused: not found, not UNPAID, or the deadline has passed"
+                    );
+                    Ok(ExitStatus::Failed)
+                }
+                Err(db::DbError::Refused(e)) => {
+                    println!("order {id}: refused: {e}");
+                    Ok(ExitStatus::Failed)
+                }
+                Err(db::DbError::InvalidDeadline(e)) => {
+                    eprintln!("--by: {e}; the deadline was not changed");
+                    Ok(ExitStatus::Usage)
+                }
+                Err(e) => Err(e.into()),
             }
-            None => {
-                println!("order {id}: refused: not found, not UNPAID, or the deadline has passed");
+        }
+        OrderCommand::Show { id, json } => match orders::show(&**client, OrderId(id)).await {
+            Err(e @ db::DbError::Unreadable(_)) => {
+                eprintln!("error: {e}");
                 Ok(ExitStatus::Failed)
             }
-        },
-        OrderCommand::Show { id, json } => match orders::show(&**client, OrderId(id)).await? {
-            None => {
+            Err(e) => Err(e.into()),
+            Ok(None) => {
                 eprintln!("no such order: {id}");
                 Ok(ExitStatus::Failed)
             }
-            Some(view) if json => {
+            Ok(Some(view)) if json => {
                 print_json(&view)?;
                 Ok(ExitStatus::Ok)
             }
-            Some(view) => {
+            Ok(Some(view)) => {
                 print_order(&view);
                 Ok(ExitStatus::Ok)
             }
@@ -196,7 +218,8 @@ fn print_order(v: &orders::OrderView) {
 }
 
 pub async fn migrate(config: &Config) -> anyhow::Result<ExitStatus> {
-    let applied = db::migrate(&config.database.url).await?;
+    let applied =
+        db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config)).await?;
     println!("{applied} migration(s) applied; the schema is up to date");
     Ok(ExitStatus::Ok)
 }

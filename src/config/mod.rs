@@ -169,7 +169,14 @@ pub struct SweeperConfig {
 pub struct OrdersConfig {
     /// Stock given to a SKU that `lapse order create` meets for the first time.
     pub initial_stock: i64,
+    /// How far ahead a deadline may be; `lapse migrate` writes it to the database,
+    /// whose functions refuse anything later.
+    #[serde(with = "humantime_serde")]
+    pub deadline_horizon: Duration,
 }
+
+/// The longest `orders.deadline_horizon` (100 years; the database holds the same bound).
+pub const MAX_DEADLINE_HORIZON: Duration = Duration::from_secs(36_525 * 86_400);
 
 impl Default for Config {
     fn default() -> Self {
@@ -215,6 +222,7 @@ impl Default for Config {
             },
             orders: OrdersConfig {
                 initial_stock: 1000,
+                deadline_horizon: Duration::from_secs(366 * 86_400),
             },
         }
     }
@@ -281,6 +289,14 @@ impl Config {
             return Err(ConfigError::new(
                 "orders.initial_stock",
                 "must not be negative",
+            ));
+        }
+        if self.orders.deadline_horizon.is_zero()
+            || self.orders.deadline_horizon > MAX_DEADLINE_HORIZON
+        {
+            return Err(ConfigError::new(
+                "orders.deadline_horizon",
+                "must be more than 0s and at most 36525days (100 years)",
             ));
         }
         self.tier_file()?;

@@ -74,3 +74,27 @@ fn debug_hides_credentials() {
     config.broker.url = Secret::new("amqp://u:s3cret@h/");
     assert!(!format!("{config:?}").contains("s3cret"));
 }
+
+#[test]
+fn the_deadline_horizon_defaults_to_366_days_and_is_bounded() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        assert_eq!(
+            load().unwrap().orders.deadline_horizon,
+            Duration::from_secs(366 * 86_400)
+        );
+        jail.create_file("lapse.toml", "[orders]\ndeadline_horizon = \"30days\"")?;
+        assert_eq!(
+            load().unwrap().orders.deadline_horizon,
+            Duration::from_secs(30 * 86_400)
+        );
+        for bad in ["0s", "101years"] {
+            jail.create_file(
+                "lapse.toml",
+                &format!("[orders]\ndeadline_horizon = \"{bad}\""),
+            )?;
+            assert_eq!(load().unwrap_err().key, "orders.deadline_horizon", "{bad}");
+        }
+        Ok(())
+    });
+}

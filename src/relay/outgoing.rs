@@ -10,6 +10,7 @@ use lapin::types::ShortString;
 use serde_json::{Value, json};
 
 use super::Relay;
+use crate::db::{DbError, column};
 use crate::message::{Route, TimeoutMessage, parked_properties};
 use crate::topology::STOCK_RELEASE_ROUTING_KEY;
 
@@ -42,19 +43,74 @@ pub(super) struct Outgoing {
 impl Relay {
     /// How much longer than the remaining time a first hop's tier may be: the time
     /// the relay itself took since the intent's transaction began (plus 1 ms for the
-    /// deadline's truncation to milliseconds), capped by `worker.tier_tolerance`. A
+    /// deadline's millisecond rounding), capped by `worker.tier_tolerance`. A
     /// deadline equal to a tier then takes one hop, and the tier choice adds no more
     /// lateness than the relay's own lag.
     fn slack(&self, lag: Duration) -> Duration {
         (lag + Duration::from_millis(1)).min(self.tolerance)
     }
 
-    pub(super) fn outgoing(
+    /// One outbox row (`id, kind, order_id, payload, now(), created_at, attempts`) as
+    /// a publish. A row whose values cannot be decoded, or whose payload is not a
+    /// timeout intent, is published to the parked queue with the reason (and deleted
+    /// only after that publish is confirmed), never dropped and never a panic.
+    pub(super) fn decode(&self, r: &tokio_postgres::Row) -> Result<Outgoing, DbError> {
+        let outbox_id: i64 = column(r, 0)?;
+        let attempts = column::<i32>(r, 6)
+            .ok()
+            .and_then(|a| u32::try_from(a).ok())
+            .unwrap_or(0);
+        let read = || -> Result<(String, i64, Value, DateTime<Utc>), DbError> {
+            Ok((column(r, 1)?, column(r, 2)?, column(r, 3)?, column(r, 4)?))
+        };
+        let (kind, order_id, payload, db_now) = match read() {
+            Ok(fields) => fields,
+            Err(e) => {
+                let reason = format!("relay: outbox row {outbox_id} cannot be read: {e}");
+                return Ok(self.parked(outbox_id, 0, b"", &reason, attempts));
+            }
+        };
+        // The lag only widens the tier choice; an unreadable write time counts as none.
+        let lag = column::<DateTime<Utc>>(r, 5)
+            .ok()
+            .and_then(|written| (db_now - written).to_std().ok())
+            .unwrap_or_default();
+        let row = OutboxRow {
+            outbox_id,
+            kind,
+            order_id,
+            payload,
+            attempts,
+        };
+        Ok(self.outgoing(row, db_now, lag))
+    }
+
+    fn parked(
         &self,
-        row: OutboxRow,
-        db_now: DateTime<Utc>,
-        lag: Duration,
+        outbox_id: i64,
+        order_id: i64,
+        body: &[u8],
+        reason: &str,
+        attempts: u32,
     ) -> Outgoing {
+        tracing::warn!(outbox_id, %reason, "relay: parking an outbox row");
+        Outgoing {
+            outbox_id,
+            order_id,
+            exchange: self.names.parked(),
+            routing_key: String::new(),
+            body: body.to_vec(),
+            properties: parked_properties(
+                &BasicProperties::default().with_delivery_mode(2),
+                reason,
+            ),
+            hop: None,
+            attempts,
+            reroute_after: None,
+        }
+    }
+
+    fn outgoing(&self, row: OutboxRow, db_now: DateTime<Utc>, lag: Duration) -> Outgoing {
         let OutboxRow {
             outbox_id,
             kind,
@@ -78,9 +134,21 @@ impl Relay {
                 reroute_after: None,
             };
         }
-        let mut with_version = payload.clone();
-        with_version["v"] = json!(crate::message::MESSAGE_VERSION);
-        match serde_json::from_value::<TimeoutMessage>(with_version) {
+        let body = payload.to_string().into_bytes();
+        let not_an_intent = |why: String| {
+            self.parked(
+                outbox_id,
+                order_id,
+                &body,
+                &format!("relay: outbox row {outbox_id} is not a timeout intent: {why}"),
+                attempts,
+            )
+        };
+        let Value::Object(mut fields) = payload else {
+            return not_an_intent("the payload is not a JSON object".into());
+        };
+        fields.insert("v".into(), json!(crate::message::MESSAGE_VERSION));
+        match serde_json::from_value::<TimeoutMessage>(Value::Object(fields)) {
             Ok(mut message) => {
                 let remaining = message.remaining(db_now);
                 let slack = self.slack(lag);
@@ -105,21 +173,8 @@ impl Relay {
                     reroute_after,
                 }
             }
-            // Cannot happen for rows written by lapse's functions; never lose it.
-            Err(e) => Outgoing {
-                outbox_id,
-                order_id,
-                exchange: self.names.parked(),
-                routing_key: String::new(),
-                body: payload.to_string().into_bytes(),
-                properties: parked_properties(
-                    &BasicProperties::default().with_delivery_mode(2),
-                    &format!("relay: outbox row {outbox_id} is not a timeout intent: {e}"),
-                ),
-                hop: None,
-                attempts,
-                reroute_after: None,
-            },
+            // Rows written by lapse's functions always decode; anything else is kept.
+            Err(e) => not_an_intent(e.to_string()),
         }
     }
 }

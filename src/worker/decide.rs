@@ -10,7 +10,8 @@ use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 
 use crate::close::{self, Candidate, CloseReason, Closed};
-use crate::db::DbError;
+use crate::db::{self, DbError};
+use crate::deadline;
 use crate::message::{DecodeError, Route, TimeoutMessage};
 use crate::stats::Outcome;
 use crate::tier::{Tier, TierSet};
@@ -42,17 +43,50 @@ pub struct Decider {
     pub retry_backoff: Duration,
 }
 
-/// An order as the decision sees it.
+/// An order as the decision sees it. `expire_at` is an error (the reason) when the
+/// stored deadline cannot be decoded or lies outside the range lapse handles (a row
+/// written before the deadline rules existed): only a decision that needs the
+/// deadline parks the delivery; the rest of the batch proceeds.
 struct OrderRow {
     status: String,
     deadline_version: i32,
-    expire_at: DateTime<Utc>,
+    expire_at: Result<DateTime<Utc>, String>,
+}
+
+impl OrderRow {
+    /// Decodes one row of the batch read (`id, status, deadline_version, expire_at,
+    /// expire_at::text` from column 1): `None` for the no-order row of the LEFT JOIN.
+    fn decode(row: &tokio_postgres::Row) -> Option<(i64, Result<Self, String>)> {
+        let id: i64 = db::column::<Option<i64>>(row, 1).ok()??;
+        let fields = || -> Result<Self, DbError> {
+            let expire_at = db::column(row, 4)
+                .map_err(|e| e.to_string())
+                .and_then(|t| deadline::checked(t).map_err(|e| e.to_string()))
+                .map_err(|e| {
+                    let raw: String = db::column(row, 5).unwrap_or_else(|_| "?".into());
+                    format!("order {id} has a deadline lapse cannot handle ({raw}): {e}")
+                });
+            Ok(Self {
+                status: db::column(row, 2)?,
+                deadline_version: db::column(row, 3)?,
+                expire_at,
+            })
+        };
+        Some((id, fields().map_err(|e| format!("order {id}: {e}"))))
+    }
+
+    /// True when this row should be closed for `m` now.
+    fn due_for(&self, m: &TimeoutMessage, db_now: DateTime<Utc>) -> bool {
+        self.status == "UNPAID"
+            && self.deadline_version == m.deadline_version
+            && self.expire_at.as_ref().is_ok_and(|t| *t <= db_now)
+    }
 }
 
 #[derive(Default)]
 struct Snapshot {
     db_now: DateTime<Utc>,
-    orders: HashMap<i64, OrderRow>,
+    orders: HashMap<i64, Result<OrderRow, String>>,
     closed: Vec<Closed>,
 }
 
@@ -95,39 +129,29 @@ impl Decider {
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at
+                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text
                    FROM (SELECT now()) AS n(now)
                    LEFT JOIN orders o ON o.id = ANY($1)",
                 &[&ids],
             )
             .await?;
-        let db_now: DateTime<Utc> = rows[0].get(0);
-        let orders: HashMap<i64, OrderRow> = rows
-            .iter()
-            .filter_map(|r| {
-                Some((
-                    r.get::<_, Option<i64>>(1)?,
-                    OrderRow {
-                        status: r.get(2),
-                        deadline_version: r.get(3),
-                        expire_at: r.get(4),
-                    },
-                ))
-            })
-            .collect();
+        let first = rows
+            .first()
+            .ok_or_else(|| DbError::Unreadable("the batch read returned no row".into()))?;
+        let db_now: DateTime<Utc> = db::column(first, 0)?;
+        let orders: HashMap<i64, Result<OrderRow, String>> =
+            rows.iter().filter_map(OrderRow::decode).collect();
         let candidates: Vec<Candidate> = messages
             .iter()
             .filter(|m| {
-                orders.get(&m.order_id).is_some_and(|o| {
-                    o.status == "UNPAID"
-                        && o.deadline_version == m.deadline_version
-                        && o.expire_at <= db_now
-                })
+                orders
+                    .get(&m.order_id)
+                    .is_some_and(|o| o.as_ref().is_ok_and(|o| o.due_for(m, db_now)))
             })
             .map(|m| Candidate {
                 order_id: m.order_id,
                 deadline_version: m.deadline_version,
-                hops: m.hops as i32,
+                hops: i32::try_from(m.hops).unwrap_or(i32::MAX),
             })
             .collect();
         let closed = close::close_due(&*tx, &candidates, CloseReason::Timeout).await?;
@@ -147,8 +171,10 @@ impl Decider {
         snap: &Snapshot,
         closed_ids: &mut HashSet<i64>,
     ) -> Action {
-        let Some(order) = snap.orders.get(&m.order_id) else {
-            return Action::Ack(Outcome::Missing);
+        let order = match snap.orders.get(&m.order_id) {
+            None => return Action::Ack(Outcome::Missing),
+            Some(Err(reason)) => return park(reason),
+            Some(Ok(order)) => order,
         };
         if order.status != "UNPAID" {
             return Action::Ack(Outcome::Settled);
@@ -156,7 +182,11 @@ impl Decider {
         if order.deadline_version != m.deadline_version {
             return Action::Ack(Outcome::Stale);
         }
-        if order.expire_at <= snap.db_now {
+        let expire_at = match &order.expire_at {
+            Ok(t) => *t,
+            Err(reason) => return park(reason),
+        };
+        if expire_at <= snap.db_now {
             return if closed_ids.remove(&m.order_id) {
                 Action::Ack(Outcome::Closed)
             } else if snap.closed.iter().any(|c| c.order_id == m.order_id) {
@@ -166,7 +196,7 @@ impl Decider {
                 Action::Ack(Outcome::Raced)
             };
         }
-        let remaining = (order.expire_at - snap.db_now).to_std().unwrap_or_default();
+        let remaining = (expire_at - snap.db_now).to_std().unwrap_or_default();
         // No slack here: a re-delay goes out right after the clock was read, and a
         // tier longer than the remaining time would only make the close later.
         let route = Route::for_remaining(&self.names, &self.tiers, remaining, Duration::ZERO);
@@ -174,7 +204,7 @@ impl Decider {
             return Action::Hold(remaining);
         }
         let mut message = m.clone();
-        message.hops += 1;
+        message.hops = message.hops.saturating_add(1);
         Action::Publish {
             route,
             message,
@@ -185,7 +215,7 @@ impl Decider {
     /// The database is unavailable: re-delay with attempt+1 (deadline unchanged), or
     /// park after the configured maximum.
     fn retry(&self, m: &TimeoutMessage, error: &DbError) -> Action {
-        let attempt = m.attempt + 1;
+        let attempt = m.attempt.saturating_add(1);
         if attempt > self.max_attempts {
             return Action::Park {
                 reason: format!(
@@ -197,7 +227,7 @@ impl Decider {
         }
         let mut message = m.clone();
         message.attempt = attempt;
-        message.hops += 1;
+        message.hops = message.hops.saturating_add(1);
         Action::Publish {
             route: Route::tier(&self.names, self.backoff_tier(attempt)),
             message,
@@ -215,5 +245,112 @@ impl Decider {
             .filter(|t| t.duration() <= wanted)
             .last()
             .unwrap_or(self.tiers.smallest())
+    }
+}
+
+/// A delivery whose order cannot be decided: parked with the reason, counted.
+fn park(reason: &str) -> Action {
+    Action::Park {
+        reason: reason.to_string(),
+        outcome: Outcome::Parked,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    fn decider() -> Decider {
+        Decider {
+            // Never connected: classify and retry are pure.
+            pool: db::pool(&Secret::new("postgres://nobody@127.0.0.1:1/none"), 1).unwrap(),
+            names: Names::new("t"),
+            tiers: TierSet::new(vec![
+                Tier::parse("1s").unwrap(),
+                Tier::parse("10s").unwrap(),
+            ]),
+            max_attempts: 3,
+            retry_backoff: Duration::from_millis(500),
+        }
+    }
+
+    fn now() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2026-12-02T10:00:00Z")
+            .unwrap()
+            .with_timezone(&Utc)
+    }
+
+    fn snapshot(row: Result<OrderRow, String>) -> Snapshot {
+        Snapshot {
+            db_now: now(),
+            orders: HashMap::from([(7, row)]),
+            closed: Vec::new(),
+        }
+    }
+
+    fn unpaid(expire_at: Result<DateTime<Utc>, String>) -> OrderRow {
+        OrderRow {
+            status: "UNPAID".into(),
+            deadline_version: 1,
+            expire_at,
+        }
+    }
+
+    #[test]
+    fn an_unreadable_deadline_parks_only_when_the_decision_needs_it() {
+        let d = decider();
+        let m = TimeoutMessage::new(7, now(), 1);
+        let bad = || Err("order 7 has a deadline lapse cannot handle (-infinity)".to_string());
+        let action = d.classify(&m, &snapshot(Ok(unpaid(bad()))), &mut HashSet::new());
+        assert_eq!(
+            action,
+            Action::Park {
+                reason: "order 7 has a deadline lapse cannot handle (-infinity)".into(),
+                outcome: Outcome::Parked,
+            }
+        );
+        let stale = TimeoutMessage::new(7, now(), 2);
+        let action = d.classify(&stale, &snapshot(Ok(unpaid(bad()))), &mut HashSet::new());
+        assert_eq!(action, Action::Ack(Outcome::Stale));
+        let paid = OrderRow {
+            status: "PAID".into(),
+            ..unpaid(bad())
+        };
+        let action = d.classify(&m, &snapshot(Ok(paid)), &mut HashSet::new());
+        assert_eq!(action, Action::Ack(Outcome::Settled));
+        let action = d.classify(&m, &snapshot(Err("order 7: x".into())), &mut HashSet::new());
+        assert!(matches!(action, Action::Park { .. }), "{action:?}");
+    }
+
+    #[test]
+    fn counters_carried_in_messages_saturate() {
+        let d = decider();
+        let mut m = TimeoutMessage::new(7, now() + chrono::TimeDelta::seconds(30), 1);
+        m.hops = u32::MAX;
+        let action = d.classify(
+            &m,
+            &snapshot(Ok(unpaid(Ok(m.expire_at)))),
+            &mut HashSet::new(),
+        );
+        let Action::Publish { message, .. } = action else {
+            panic!("expected a re-delay, got {action:?}");
+        };
+        assert_eq!(message.hops, u32::MAX);
+
+        m.attempt = u32::MAX;
+        let error = DbError::Config("down".into());
+        assert!(matches!(
+            d.retry(&m, &error),
+            Action::Park {
+                outcome: Outcome::GaveUp,
+                ..
+            }
+        ));
+        m.attempt = 1;
+        let Action::Publish { message, .. } = d.retry(&m, &error) else {
+            panic!("expected a retry");
+        };
+        assert_eq!((message.attempt, message.hops), (2, u32::MAX));
     }
 }

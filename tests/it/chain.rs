@@ -173,12 +173,13 @@ async fn payments_racing_the_deadline_never_both_win() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(deadlines.len(), ids.len());
-    let late = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    // Refused payments (LATE after the close, EXPIRED before it): each is recorded once.
+    let refused = Arc::new(std::sync::atomic::AtomicI64::new(0));
     let mut payments = tokio::task::JoinSet::new();
     for (i, (id, expire_at)) in deadlines.into_iter().enumerate() {
         // Fire within ±50 ms of the deadline (by this machine's clock, which is the database's).
         let offset = chrono::Duration::milliseconds((i as i64 * 37) % 101 - 50);
-        let (pool, late) = (pool.clone(), late.clone());
+        let (pool, refused) = (pool.clone(), refused.clone());
         payments.spawn(async move {
             let wait = (expire_at + offset - chrono::Utc::now())
                 .to_std()
@@ -186,8 +187,8 @@ async fn payments_racing_the_deadline_never_both_win() {
             tokio::time::sleep(wait).await;
             let client = pool.get().await.unwrap();
             let outcome = orders::pay(&**client, OrderId(id)).await.unwrap();
-            if outcome == PayOutcome::Late {
-                late.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if matches!(outcome, PayOutcome::Late | PayOutcome::Expired) {
+                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             outcome
         });
@@ -242,7 +243,10 @@ async fn payments_racing_the_deadline_never_both_win() {
         0
     );
     let late_rows = count(&db, "SELECT count(*) FROM late_payments").await;
-    assert_eq!(late_rows, late.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(
+        late_rows,
+        refused.load(std::sync::atomic::Ordering::Relaxed)
+    );
     assert_eq!(
         count(&db, "SELECT count(*) FROM late_payments p JOIN orders o ON o.id = p.order_id WHERE o.status <> 'CLOSED'").await,
         0
