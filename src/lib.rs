@@ -18,10 +18,12 @@
 //! - [`relay`]: outbox -> broker with publisher confirms.
 //! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
 //! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
-//! - [`service`]: `lapse worker` — starts and supervises the components.
+//! - [`service`]: `lapse worker` — starts the components under the supervisor.
+//! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
-//! - [`health`], [`http`]: component health and the `/metrics` + `/health` endpoint.
+//! - [`health`], [`http`]: component health and liveness, and the `/metrics`, `/livez`,
+//!   `/health` endpoint.
 //! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`telemetry`]: structured logs.
@@ -46,6 +48,7 @@ pub mod service;
 pub mod shutdown;
 pub mod stats;
 pub mod status;
+pub mod supervisor;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
