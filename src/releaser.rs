@@ -19,6 +19,7 @@ use crate::db::DbError;
 use crate::health::Health;
 use crate::message::parked_properties;
 use crate::stats::{Outcome, Stats};
+use crate::supervisor::Fatal;
 use crate::topology::Names;
 
 #[derive(Deserialize)]
@@ -73,21 +74,29 @@ impl Releaser {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+    pub async fn run(
+        self,
+        broker_url: Secret,
+        health: Health,
+        token: CancellationToken,
+    ) -> Result<(), Fatal> {
         crate::backoff::reconnecting("releaser", &health, &token, || {
-            self.session(&broker_url, &token)
+            self.session(&broker_url, &health, &token)
         })
-        .await;
+        .await
     }
 
     async fn session(
         &self,
         broker_url: &Secret,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let name = format!("lapse releaser {}", self.names.prefix);
         let queue = self.names.stock_release_queue();
+        let busy = health.busy("releaser");
         let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        drop(busy);
         let result = loop {
             match session
                 .source
@@ -95,6 +104,7 @@ impl Releaser {
                 .await
             {
                 Ok(Some(batch)) => {
+                    let _busy = health.busy("releaser");
                     if let Err(e) = self.process(batch, &session.publisher).await {
                         break Err(e);
                     }

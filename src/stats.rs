@@ -21,6 +21,9 @@ pub enum Outcome {
     Redelayed,
     /// Not due yet, shorter than the smallest tier: waited out in the worker.
     Held,
+    /// Due, but another transaction held the order's row lock: skipped, and decided
+    /// again after `worker.lock_retry` (the rest of the batch closed meanwhile).
+    Locked,
     /// Closed by the worker.
     Closed,
     /// Due, but the guarded close changed nothing (a payment or close won the race).
@@ -39,13 +42,14 @@ pub enum Outcome {
     Released,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 14] = [
+pub const ALL_OUTCOMES: [Outcome; 15] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
     Outcome::Stale,
     Outcome::Redelayed,
     Outcome::Held,
+    Outcome::Locked,
     Outcome::Closed,
     Outcome::Raced,
     Outcome::Retried,
@@ -65,6 +69,7 @@ impl Outcome {
             Outcome::Stale => "stale",
             Outcome::Redelayed => "redelayed",
             Outcome::Held => "held",
+            Outcome::Locked => "locked",
             Outcome::Closed => "closed",
             Outcome::Raced => "raced",
             Outcome::Retried => "retried",
@@ -87,7 +92,7 @@ impl Outcome {
 /// Shared counters; cheap to clone.
 #[derive(Clone, Default)]
 pub struct Stats {
-    counts: Arc<[AtomicU64; 14]>,
+    counts: Arc<[AtomicU64; ALL_OUTCOMES.len()]>,
 }
 
 impl Stats {

@@ -3,7 +3,10 @@
 //! index, bounded batches, a pause between them — and closes them through the same
 //! close path as the worker. What it closes should be ~0; a rise means the message
 //! path is losing timeouts. It also reports outbox rows older than a threshold (a
-//! stuck relay).
+//! stuck relay). An order whose row another transaction holds locked is skipped
+//! (`SKIP LOCKED` in the close path) and left to the next sweep.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
@@ -12,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::close::{self, Candidate, CloseReason};
 use crate::config::SweeperConfig;
 use crate::db::DbError;
+use crate::health::Busy;
 use crate::health::Health;
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
@@ -25,6 +29,8 @@ pub struct Sweeper {
     pub stats: Stats,
     pub config: SweeperConfig,
     pub limiter: RateLimiter,
+    /// Bound on waiting for a lock other than a row lock in the close statement.
+    pub lock_timeout: Duration,
 }
 
 /// What one sweep did.
@@ -34,12 +40,19 @@ pub struct SweepReport {
     pub leader: bool,
     pub scanned: usize,
     pub closed: usize,
+    /// Overdue orders skipped because another transaction held their row lock.
+    pub locked: usize,
     /// Outbox rows older than `stuck_outbox_after`.
     pub stuck_outbox: i64,
 }
 
 impl Sweeper {
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
+        self.sweep_once(None).await
+    }
+
+    /// One sweep; `busy` (when given) hears of progress after every batch.
+    async fn sweep_once(&self, busy: Option<&Busy>) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
         let leader: bool = client
             .query_one("SELECT pg_try_advisory_lock($1)", &[&LEADER_LOCK])
@@ -48,19 +61,23 @@ impl Sweeper {
         if !leader {
             return Ok(SweepReport::default());
         }
-        let result = self.sweep(&mut client).await;
+        let result = self.sweep(&mut client, busy).await;
         let _ = client
             .execute("SELECT pg_advisory_unlock($1)", &[&LEADER_LOCK])
             .await;
         result
     }
 
-    async fn sweep(&self, client: &mut deadpool_postgres::Client) -> Result<SweepReport, DbError> {
+    async fn sweep(
+        &self,
+        client: &mut deadpool_postgres::Client,
+        busy: Option<&Busy>,
+    ) -> Result<SweepReport, DbError> {
         let mut report = SweepReport {
             leader: true,
             ..Default::default()
         };
-        let grace_ms = self.config.grace.as_millis() as i64;
+        let grace_ms = i64::try_from(self.config.grace.as_millis()).unwrap_or(i64::MAX);
         let mut after: (Option<DateTime<Utc>>, i64) = (None, 0);
         loop {
             let rows = client
@@ -85,21 +102,35 @@ impl Sweeper {
                 })
                 .collect();
             let tx = client.transaction().await?;
-            let closed = close::close_due(&*tx, &candidates, CloseReason::Sweeper).await?;
+            let done =
+                close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
             tx.commit().await?;
-            self.limiter.acquire(closed.len()).await;
+            let closed = done.closed;
+            // Pacing is deliberate idleness, not a stall.
+            let pace = async {
+                self.limiter.acquire(closed.len()).await;
+                if rows.len() >= self.config.batch_size.try_into().unwrap_or(usize::MAX) {
+                    tokio::time::sleep(self.config.pause).await;
+                }
+            };
+            match busy {
+                Some(busy) => busy.idle_while(pace).await,
+                None => pace.await,
+            }
             for c in &closed {
                 self.stats.lateness(c.lateness(), "sweeper");
             }
             report.scanned += rows.len();
             report.closed += closed.len();
+            report.locked += done.locked.len();
             self.stats.record(Outcome::SweptClosed, closed.len() as u64);
-            if (rows.len() as i64) < self.config.batch_size {
+            self.stats.record(Outcome::Locked, done.locked.len() as u64);
+            if rows.len() < self.config.batch_size.try_into().unwrap_or(usize::MAX) {
                 break;
             }
-            tokio::time::sleep(self.config.pause).await;
         }
-        let stuck_ms = self.config.stuck_outbox_after.as_millis() as i64;
+        let stuck_ms =
+            i64::try_from(self.config.stuck_outbox_after.as_millis()).unwrap_or(i64::MAX);
         report.stuck_outbox = client
             .query_one(
                 "SELECT count(*) FROM outbox
@@ -126,7 +157,10 @@ impl Sweeper {
 
     pub async fn run(self, health: Health, token: CancellationToken) {
         loop {
-            match self.run_once().await {
+            let busy = health.busy("sweeper");
+            let swept = self.sweep_once(Some(&busy)).await;
+            drop(busy);
+            match swept {
                 Ok(report) => {
                     health.up("sweeper");
                     tracing::debug!(?report, "sweep done");

@@ -31,6 +31,10 @@ pub enum Action {
     Park { reason: String, outcome: Outcome },
     /// Keep unacknowledged, decide again after this long.
     Hold(Duration),
+    /// Due, but another transaction holds the order's row lock (an application
+    /// inside `SELECT ... FOR UPDATE`): keep unacknowledged and decide again after
+    /// this long. Only this order waits; the rest of its batch was closed.
+    Locked(Duration),
 }
 
 #[derive(Clone)]
@@ -40,6 +44,10 @@ pub struct Decider {
     pub tiers: TierSet,
     pub max_attempts: u32,
     pub retry_backoff: Duration,
+    /// How long a due order whose row is locked waits before it is decided again.
+    pub lock_retry: Duration,
+    /// Bound on waiting for any other lock in the close statement.
+    pub lock_timeout: Duration,
 }
 
 /// An order as the decision sees it.
@@ -54,6 +62,8 @@ struct Snapshot {
     db_now: DateTime<Utc>,
     orders: HashMap<i64, OrderRow>,
     closed: Vec<Closed>,
+    /// Due orders the close skipped because their row was locked.
+    locked: HashSet<i64>,
 }
 
 impl Decider {
@@ -130,12 +140,14 @@ impl Decider {
                 hops: m.hops as i32,
             })
             .collect();
-        let closed = close::close_due(&*tx, &candidates, CloseReason::Timeout).await?;
+        let report =
+            close::close_due(&tx, &candidates, CloseReason::Timeout, self.lock_timeout).await?;
         tx.commit().await?;
         Ok(Snapshot {
             db_now,
             orders,
-            closed,
+            closed: report.closed,
+            locked: report.locked.into_iter().collect(),
         })
     }
 
@@ -159,6 +171,8 @@ impl Decider {
         if order.expire_at <= snap.db_now {
             return if closed_ids.remove(&m.order_id) {
                 Action::Ack(Outcome::Closed)
+            } else if snap.locked.contains(&m.order_id) {
+                Action::Locked(self.lock_retry)
             } else if snap.closed.iter().any(|c| c.order_id == m.order_id) {
                 Action::Ack(Outcome::Settled)
             } else {

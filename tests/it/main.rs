@@ -8,6 +8,8 @@ mod cli_orders;
 mod config_cli;
 mod endpoints;
 mod helpers;
+mod liveness;
+mod locks;
 mod outage;
 mod pipeline;
 mod private_pg;
