@@ -5,6 +5,13 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
+use crate::supervisor::Fatal;
+
+/// An error that ends a session: reconnecting may cure it, unless it is fatal
+/// (refused credentials: every reconnect would be refused the same way).
+pub trait SessionError: std::fmt::Display {
+    fn is_fatal(&self) -> bool;
+}
 
 /// Exponential back-off from 100 ms to 5 s, cut short by cancellation.
 pub struct Backoff {
@@ -39,14 +46,15 @@ impl Backoff {
 
 /// Runs `session` until it returns `Ok` (a clean stop) or `token` is cancelled;
 /// after each error, logs it, reports the component down and waits with back-off
-/// before the next session.
+/// before the next session. A fatal error ends the loop with [`Fatal`].
 pub async fn reconnecting<E, F, Fut>(
     component: &'static str,
     health: &Health,
     token: &CancellationToken,
     mut session: F,
-) where
-    E: std::fmt::Display,
+) -> Result<(), Fatal>
+where
+    E: SessionError,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<(), E>>,
 {
@@ -55,6 +63,7 @@ pub async fn reconnecting<E, F, Fut>(
         health.up(component);
         match session().await {
             Ok(()) => break,
+            Err(e) if e.is_fatal() => return Err(Fatal(format!("{component}: {e}"))),
             Err(e) => {
                 tracing::warn!(component, error = %e, "session ended; reconnecting");
                 health.down(component, e.to_string());
@@ -62,4 +71,5 @@ pub async fn reconnecting<E, F, Fut>(
             }
         }
     }
+    Ok(())
 }

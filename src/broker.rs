@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-
-use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 
@@ -51,6 +50,25 @@ pub enum BrokerError {
 impl BrokerError {
     pub fn amqp(op: &'static str) -> impl FnOnce(lapin::Error) -> Self {
         move |source| Self::Amqp { op, source }
+    }
+}
+
+impl crate::backoff::SessionError for BrokerError {
+    /// The broker refused the credentials, the virtual host or a permission: every
+    /// reconnect would be refused the same way, so it is a configuration error.
+    fn is_fatal(&self) -> bool {
+        let error = match self {
+            Self::Connect(e) | Self::Amqp { source: e, .. } => e,
+            _ => return false,
+        };
+        let ErrorKind::ProtocolError(e) = error.kind() else {
+            return false;
+        };
+        matches!(
+            e.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+        )
     }
 }
 

@@ -3,10 +3,13 @@
 //! database clock — with its stock-release outbox rows in the same statement.
 //!
 //! Invariants: never early (`expire_at <= now()` in the WHERE); at most once (the
-//! status guard); only a row this statement changed gets release rows.
+//! status guard); only a row this statement changed gets release rows; a row locked
+//! by someone else defers only its own order (`SKIP LOCKED`), never the batch.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio_postgres::GenericClient;
+use tokio_postgres::Transaction;
 
 use crate::db::{DbError, column};
 
@@ -54,18 +57,30 @@ impl Closed {
     }
 }
 
+/// Locks what it closes with `SKIP LOCKED`: a row someone else holds (an application
+/// inside `SELECT ... FOR UPDATE` around a slow payment call) is left alone and
+/// reported as locked, instead of making the whole batch wait for it.
 const CLOSE_SQL: &str = "
 WITH due AS (
     SELECT DISTINCT ON (id) id, v, hops
       FROM unnest($1::bigint[], $2::int[], $3::int[]) AS d(id, v, hops)
 ),
+eligible AS (
+    SELECT o.id FROM orders o JOIN due d ON o.id = d.id
+     WHERE o.status = 'UNPAID' AND o.deadline_version = d.v AND o.expire_at <= now()
+),
+locked AS (
+    SELECT o.id, d.hops FROM orders o JOIN due d ON o.id = d.id
+     WHERE o.status = 'UNPAID' AND o.deadline_version = d.v AND o.expire_at <= now()
+       FOR UPDATE OF o SKIP LOCKED
+),
 closed AS (
     UPDATE orders o
-       SET status = 'CLOSED', closed_at = now(), close_reason = $4
-      FROM due d
-     WHERE o.id = d.id AND o.status = 'UNPAID'
+       SET status = 'CLOSED', closed_at = clock_timestamp(), close_reason = $4
+      FROM locked l, due d
+     WHERE o.id = l.id AND d.id = l.id AND o.status = 'UNPAID'
        AND o.deadline_version = d.v AND o.expire_at <= now()
-    RETURNING o.id, o.expire_at, o.closed_at, d.hops
+    RETURNING o.id, o.expire_at, o.closed_at, l.hops
 ),
 release AS (
     INSERT INTO outbox (kind, order_id, payload)
@@ -80,30 +95,63 @@ events AS (
            'late_ms', round(extract(epoch FROM closed_at - expire_at) * 1000, 3))
       FROM closed
 )
-SELECT id, expire_at, closed_at FROM closed";
+SELECT id, expire_at, closed_at FROM closed
+UNION ALL
+SELECT id, NULL, NULL FROM eligible WHERE id NOT IN (SELECT id FROM locked)";
 
-/// Closes every candidate that is still UNPAID, of the same version and due.
-pub async fn close_due<C: GenericClient>(
-    client: &C,
+/// What one close statement did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CloseReport {
+    /// The orders it closed.
+    pub closed: Vec<Closed>,
+    /// Due orders it left alone because another transaction held their row lock;
+    /// the caller retries them shortly.
+    pub locked: Vec<i64>,
+}
+
+/// Closes every candidate that is still UNPAID, of the same version and due, in
+/// `tx`. Rows locked by another transaction are skipped and reported; waits for any
+/// other lock are bounded by `lock_timeout` (an error the caller retries).
+///
+/// `closed_at` is the real clock at the moment of the close (`clock_timestamp()`), not
+/// the transaction's start, so lateness is reported honestly; the guard compares with
+/// `now()`, which is never later than the real clock: never early.
+pub async fn close_due(
+    tx: &Transaction<'_>,
     candidates: &[Candidate],
     reason: CloseReason,
-) -> Result<Vec<Closed>, DbError> {
+    lock_timeout: Duration,
+) -> Result<CloseReport, DbError> {
     if candidates.is_empty() {
-        return Ok(Vec::new());
+        return Ok(CloseReport::default());
     }
     let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
     let versions: Vec<i32> = candidates.iter().map(|c| c.deadline_version).collect();
     let hops: Vec<i32> = candidates.iter().map(|c| c.hops).collect();
-    let rows = client
+    // One simple-protocol round trip; the value is a number lapse formats itself.
+    tx.batch_execute(&format!(
+        "SET LOCAL lock_timeout = {}",
+        lock_timeout
+            .as_millis()
+            .clamp(1, i32::MAX.unsigned_abs().into())
+    ))
+    .await?;
+    let rows = tx
         .query(CLOSE_SQL, &[&ids, &versions, &hops, &reason.as_str()])
         .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(Closed {
-                order_id: column(r, 0)?,
-                expire_at: column(r, 1)?,
-                closed_at: column(r, 2)?,
-            })
-        })
-        .collect()
+    let mut report = CloseReport::default();
+    for r in &rows {
+        let order_id: i64 = column(r, 0)?;
+        let at: Option<(DateTime<Utc>, DateTime<Utc>)> =
+            column::<Option<DateTime<Utc>>>(r, 1)?.zip(column::<Option<DateTime<Utc>>>(r, 2)?);
+        match at {
+            Some((expire_at, closed_at)) => report.closed.push(Closed {
+                order_id,
+                expire_at,
+                closed_at,
+            }),
+            None => report.locked.push(order_id),
+        }
+    }
+    Ok(report)
 }

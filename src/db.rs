@@ -9,7 +9,7 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 
-use crate::config::Secret;
+use crate::config::{DatabaseConfig, Secret};
 
 refinery::embed_migrations!("migrations");
 
@@ -130,10 +130,23 @@ pub fn pg_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
         .map_err(|_| DbError::Config("database.url is not a valid PostgreSQL URL".into()))
 }
 
-/// A pool of `size` connections; connections are opened lazily.
-pub fn pool(url: &Secret, size: usize) -> Result<Pool, DbError> {
-    let mut config = pg_config(url)?;
+/// A pool of `size` connections to `database.url`; connections are opened lazily.
+///
+/// Every connection runs with `statement_timeout` and
+/// `idle_in_transaction_session_timeout` set to `database.statement_timeout`: a
+/// database call that hangs ends with an error instead of stalling its loop, and a
+/// frozen lapse process cannot hold row locks inside an open transaction for longer.
+pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
+    let mut config = pg_config(&database.url)?;
     config.connect_timeout(std::time::Duration::from_secs(5));
+    let millis = database.statement_timeout.as_millis().max(1);
+    let timeouts =
+        format!("-c statement_timeout={millis} -c idle_in_transaction_session_timeout={millis}");
+    let options = match config.get_options() {
+        Some(own) if !own.trim().is_empty() => format!("{own} {timeouts}"),
+        _ => timeouts,
+    };
+    config.options(options);
     let manager = Manager::from_config(
         config,
         NoTls,

@@ -1,9 +1,16 @@
 //! The operator endpoint of `lapse worker --metrics-listen ADDR`:
-//! `GET /metrics` (Prometheus text format) and `GET /health` (JSON; 200 when every
-//! component is up, 503 otherwise).
+//! - `GET /metrics`: Prometheus text format.
+//! - `GET /livez`: liveness, for a supervisor. 200 while every component is making
+//!   progress; 503 naming the stalled components otherwise (restart the process).
+//! - `GET /health`: the detailed view (JSON): each component up or down with its last
+//!   error, its restarts and whether it is stalled; 200 when all are up and none is
+//!   stalled, 503 otherwise. A component that is down is retrying on its own: that is
+//!   for alerts and dashboards, not a reason to restart.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -12,9 +19,11 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
+use crate::supervisor::Fatal;
 
 /// Installs the process-wide Prometheus recorder; call before any work is counted.
 pub fn install_recorder() -> std::io::Result<PrometheusHandle> {
@@ -23,22 +32,40 @@ pub fn install_recorder() -> std::io::Result<PrometheusHandle> {
         .map_err(std::io::Error::other)
 }
 
-/// Serves `/metrics` and `/health` until `token` is cancelled.
+/// Binds the endpoint's address; do this before starting anything, so that an address
+/// that cannot be bound is a startup error.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<Arc<TcpListener>> {
+    let listener = TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving /metrics, /livez and /health");
+    Ok(Arc::new(listener))
+}
+
+/// Serves `/metrics`, `/livez` and `/health` on `listener` until `token` is cancelled.
+/// Connections are tasks of this server and end with it.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: Arc<TcpListener>,
     metrics: PrometheusHandle,
     health: Health,
     token: CancellationToken,
-) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "serving /metrics and /health");
+) -> Result<(), Fatal> {
+    let mut connections = JoinSet::new();
     loop {
-        let (stream, _) = tokio::select! {
+        let accepted = tokio::select! {
             _ = token.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted?,
+            Some(_) = connections.join_next() => continue,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: pause instead of spinning.
+                tracing::warn!(error = %e, "cannot accept a connection on the metrics endpoint");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let (metrics, health) = (metrics.clone(), health.clone());
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 respond(req, metrics.clone(), health.clone())
             });
@@ -60,10 +87,41 @@ async fn respond(
             "text/plain; version=0.0.4",
             metrics.render(),
         ),
+        "/livez" => {
+            let stalled: Vec<_> = health
+                .stalled()
+                .into_iter()
+                .map(|(component, busy)| {
+                    serde_json::json!({
+                        "component": component,
+                        "busy_ms": u64::try_from(busy.as_millis()).unwrap_or(u64::MAX),
+                    })
+                })
+                .collect();
+            let live = stalled.is_empty();
+            let body = serde_json::json!({
+                "status": if live { "live" } else { "stalled" },
+                "stall_limit_ms": u64::try_from(health.stall_limit().as_millis()).unwrap_or(u64::MAX),
+                "stalled": stalled,
+            });
+            let status = if live {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (status, "application/json", body.to_string())
+        }
         "/health" => {
             let healthy = health.healthy();
+            let status = if healthy {
+                "ok"
+            } else if health.live() {
+                "degraded"
+            } else {
+                "stalled"
+            };
             let body = serde_json::json!({
-                "status": if healthy { "ok" } else { "degraded" },
+                "status": status,
                 "components": health.snapshot(),
             });
             let status = if healthy {
@@ -76,7 +134,7 @@ async fn respond(
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",
-            "try /metrics or /health\n".to_string(),
+            "try /metrics, /livez or /health\n".to_string(),
         ),
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));

@@ -20,10 +20,12 @@
 //! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
 //! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
 //! - [`reconciler`]: re-emits stock releases lost after a close (run by the sweeper's leader).
-//! - [`service`]: `lapse worker` — starts and supervises the components.
+//! - [`service`]: `lapse worker` — starts the components under the supervisor.
+//! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
-//! - [`health`], [`http`]: component health and the `/metrics` + `/health` endpoint.
+//! - [`health`], [`http`]: component health and liveness, and the `/metrics`, `/livez`,
+//!   `/health` endpoint.
 //! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`redact`]: masks passwords in every error, log line and panic message.
@@ -52,6 +54,7 @@ pub mod service;
 pub mod shutdown;
 pub mod stats;
 pub mod status;
+pub mod supervisor;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;

@@ -30,6 +30,7 @@ use crate::config::{Config, Secret};
 use crate::db::{self, DbError};
 use crate::health::Health;
 use crate::stats::{Outcome, Stats};
+use crate::supervisor::Fatal;
 use crate::tier::TierSet;
 use crate::topology::Names;
 use outgoing::Outgoing;
@@ -195,14 +196,17 @@ impl Relay {
         poll: Duration,
         health: Health,
         token: CancellationToken,
-    ) {
+    ) -> Result<(), Fatal> {
         let wake = Arc::new(Notify::new());
+        // Stops with `token`: the supervisor cancels it when this instance ends.
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
-        crate::backoff::reconnecting("relay", &health, &token, || {
-            self.session(&broker_url, &wake, poll, &token)
+        let result = crate::backoff::reconnecting("relay", &health, &token, || {
+            self.session(&broker_url, &wake, poll, &health, &token)
         })
         .await;
+        listener.abort();
         let _ = listener.await;
+        result
     }
 
     /// Rounds on one broker connection; returns on a broker error (to reconnect) or
@@ -212,11 +216,14 @@ impl Relay {
         broker_url: &Secret,
         wake: &Notify,
         poll: Duration,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let name = format!("lapse relay {}", self.names.prefix);
+        let busy = health.busy("relay");
         let conn = broker::connect(broker_url, &name).await?;
         let publisher = Publisher::new(&conn).await?;
+        drop(busy);
         let mut backoff = Backoff::new();
         let result = loop {
             if token.is_cancelled() {
@@ -226,7 +233,10 @@ impl Relay {
             if !publisher.is_usable() {
                 break Err(BrokerError::ConnectionLost);
             }
-            match self.run_once(&publisher).await {
+            let busy = health.busy("relay");
+            let round = self.run_once(&publisher).await;
+            drop(busy);
+            match round {
                 // Refused and returned rows were rescheduled: no reason to slow down
                 // the rows behind them.
                 Ok(RelayOutcome::Published {

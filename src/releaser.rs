@@ -25,9 +25,10 @@ use crate::batch::ConsumerSession;
 use crate::broker::{BrokerError, Publisher};
 use crate::config::Secret;
 use crate::db::DbError;
-use crate::health::Health;
+use crate::health::{Busy, Health};
 use crate::message::parked_properties;
 use crate::stats::{Outcome, Stats};
+use crate::supervisor::Fatal;
 use crate::topology::Names;
 
 #[derive(Deserialize)]
@@ -100,21 +101,29 @@ impl Releaser {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+    pub async fn run(
+        self,
+        broker_url: Secret,
+        health: Health,
+        token: CancellationToken,
+    ) -> Result<(), Fatal> {
         crate::backoff::reconnecting("releaser", &health, &token, || {
-            self.session(&broker_url, &token)
+            self.session(&broker_url, &health, &token)
         })
-        .await;
+        .await
     }
 
     async fn session(
         &self,
         broker_url: &Secret,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let name = format!("lapse releaser {}", self.names.prefix);
         let queue = self.names.stock_release_queue();
+        let busy = health.busy("releaser");
         let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        drop(busy);
         let result = loop {
             match session
                 .source
@@ -122,7 +131,8 @@ impl Releaser {
                 .await
             {
                 Ok(Some(batch)) => {
-                    if let Err(e) = self.process(batch, &session.publisher, token).await {
+                    let busy = health.busy("releaser");
+                    if let Err(e) = self.process(batch, &session.publisher, token, &busy).await {
                         break Err(e);
                     }
                 }
@@ -145,6 +155,7 @@ impl Releaser {
         batch: Vec<Delivery>,
         publisher: &Publisher,
         token: &CancellationToken,
+        busy: &Busy,
     ) -> Result<(), BrokerError> {
         let mut good = Vec::new();
         for delivery in batch {
@@ -181,7 +192,8 @@ impl Releaser {
                         "releaser: database unavailable; holding the deliveries and retrying");
                     self.stats
                         .record(Outcome::ReleaseRetried, chunk.len() as u64);
-                    backoff.sleep(token).await;
+                    // Waiting out an outage is not a stall.
+                    busy.idle_while(backoff.sleep(token)).await;
                     if token.is_cancelled() {
                         return Ok(());
                     }
@@ -201,7 +213,8 @@ impl Releaser {
                     if one.failures < PERMANENT_ATTEMPTS {
                         tracing::warn!(error = %e.detail(), order_id = one.order_id,
                             attempt = one.failures, "releaser: release failed; trying again");
-                        backoff.sleep(token).await;
+                        // Waiting out an outage is not a stall.
+                        busy.idle_while(backoff.sleep(token)).await;
                         if token.is_cancelled() {
                             return Ok(());
                         }

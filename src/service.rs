@@ -1,12 +1,16 @@
 //! `lapse worker` as a library: starts the enabled components — due-queue consumer,
-//! relay, stock releaser, sweeper — each with its own connection pool, and
-//! supervises them. Shutdown: cancel the token; components stop taking work and
-//! finish what is in flight; whatever has not finished within the drain limit is
-//! abandoned (unacknowledged deliveries return to their queue).
+//! relay, stock releaser, sweeper — each with its own connection pool, under one
+//! [`Supervisor`]: a component that panics or stops on its own is restarted with
+//! back-off and shown as down on `/health`, without stopping the others.
+//!
+//! Shutdown: cancel the token; components stop taking work and finish what is in
+//! flight; whatever has not finished within the drain limit is abandoned
+//! (unacknowledged deliveries return to their queue). A fatal failure (the broker
+//! refuses the credentials) stops the service the same way and is reported, so the
+//! process exits non-zero.
 
 use std::time::Duration;
 
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -16,6 +20,7 @@ use crate::rate::RateLimiter;
 use crate::relay::Relay;
 use crate::releaser::Releaser;
 use crate::stats::Stats;
+use crate::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
 use crate::sweeper::Sweeper;
 use crate::worker::Consumer;
 
@@ -28,10 +33,25 @@ pub enum ServiceError {
 }
 
 pub struct Service {
-    tasks: JoinSet<&'static str>,
+    supervisor: Supervisor,
     health: Health,
-    token: CancellationToken,
     drain: Duration,
+}
+
+/// How the service ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stopped {
+    pub stop: Stop,
+    /// Components still running at the drain limit, abandoned.
+    pub abandoned: Vec<&'static str>,
+}
+
+impl Stopped {
+    /// True only for a requested shutdown that drained everything: the one ending
+    /// that deserves exit status 0.
+    pub fn clean(&self) -> bool {
+        self.stop == Stop::Requested && self.abandoned.is_empty()
+    }
 }
 
 impl Service {
@@ -47,10 +67,11 @@ impl Service {
         }
         let tiers = config.tier_file()?.tiers;
         let w = &config.worker;
-        let pool = || db::pool(&config.database.url, config.database.pool_size);
-        let mut tasks = JoinSet::new();
-        let health = Health::default();
+        let pool = || db::pool(&config.database, config.database.pool_size);
+        let health = Health::new(w.stall_limit);
+        let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());
         let limiter = RateLimiter::new(w.closes_per_second);
+        let broker_url = config.broker.url_with_heartbeat();
         if w.consumer {
             let consumer = Consumer::new(
                 config,
@@ -59,29 +80,30 @@ impl Service {
                 stats.clone(),
                 limiter.clone(),
             );
-            let (url, h, t) = (
-                config.broker.url.clone(),
-                health.clone(),
-                token.child_token(),
+            let (url, h) = (broker_url.clone(), health.clone());
+            supervisor.add(
+                "consumer",
+                Box::new(move |t| boxed(consumer.clone().run(url.clone(), h.clone(), t))),
             );
-            tasks.spawn(async move {
-                consumer.run(url, h, t).await;
-                "consumer"
-            });
         }
         if w.relay {
             let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
-            let (url, db_url, poll, t) = (
-                config.broker.url.clone(),
+            let (url, db_url, poll, h) = (
+                broker_url.clone(),
                 config.database.url.clone(),
                 config.relay.poll_interval,
-                token.child_token(),
+                health.clone(),
             );
-            let h = health.clone();
-            tasks.spawn(async move {
-                relay.run(url, db_url, poll, h, t).await;
-                "relay"
-            });
+            supervisor.add(
+                "relay",
+                Box::new(move |t| {
+                    boxed(
+                        relay
+                            .clone()
+                            .run(url.clone(), db_url.clone(), poll, h.clone(), t),
+                    )
+                }),
+            );
         }
         if w.releaser {
             let releaser = Releaser {
@@ -92,15 +114,11 @@ impl Service {
                 batch_size: w.batch_size.min(usize::from(w.prefetch)),
                 batch_window: w.batch_window,
             };
-            let (url, h, t) = (
-                config.broker.url.clone(),
-                health.clone(),
-                token.child_token(),
+            let (url, h) = (broker_url.clone(), health.clone());
+            supervisor.add(
+                "releaser",
+                Box::new(move |t| boxed(releaser.clone().run(url.clone(), h.clone(), t))),
             );
-            tasks.spawn(async move {
-                releaser.run(url, h, t).await;
-                "releaser"
-            });
         }
         if w.sweeper {
             let sweeper = Sweeper {
@@ -108,58 +126,50 @@ impl Service {
                 stats: stats.clone(),
                 config: config.sweeper.clone(),
                 limiter,
+                lock_timeout: config.database.lock_timeout,
             };
-            let (h, t) = (health.clone(), token.child_token());
-            tasks.spawn(async move {
-                sweeper.run(h, t).await;
-                "sweeper"
-            });
+            let h = health.clone();
+            supervisor.add(
+                "sweeper",
+                Box::new(move |t| {
+                    let (sweeper, h) = (sweeper.clone(), h.clone());
+                    Box::pin(async move {
+                        sweeper.run(h, t).await;
+                        Ok(())
+                    })
+                }),
+            );
         }
         Ok(Self {
-            tasks,
+            supervisor,
             health,
-            token,
             drain: w.drain_timeout,
         })
     }
 
-    /// The components' health, for `GET /health`.
+    /// The components' health, for `GET /health` and `GET /livez`.
     pub fn health(&self) -> Health {
         self.health.clone()
     }
 
-    /// Waits until the token is cancelled (or a component stops on its own, which
-    /// cancels the rest), then drains within the limit. Returns the components that
-    /// had to be abandoned.
-    pub async fn wait(mut self) -> Vec<String> {
-        tokio::select! {
-            // A component that stops because of the shutdown is not a failure.
-            biased;
-            _ = self.token.cancelled() => {}
-            Some(done) = self.tasks.join_next() => {
-                if !self.token.is_cancelled() {
-                    tracing::error!(component = ?done, "a component stopped unexpectedly; stopping the others");
-                    self.token.cancel();
-                }
-            }
-        }
-        let deadline = tokio::time::Instant::now() + self.drain;
-        while !self.tasks.is_empty() {
-            match tokio::time::timeout_at(deadline, self.tasks.join_next()).await {
-                Ok(Some(Ok(name))) => tracing::info!(component = name, "stopped"),
-                Ok(Some(Err(e))) => tracing::error!(error = %e, "a component panicked"),
-                Ok(None) => break,
-                Err(_) => {
-                    let left = self.tasks.len();
-                    tracing::warn!(
-                        left,
-                        "drain limit reached; abandoning in-flight work (unacknowledged deliveries return to their queues)"
-                    );
-                    self.tasks.abort_all();
-                    return vec![format!("{left} component(s)")];
-                }
-            }
-        }
-        Vec::new()
+    /// Supervises one more task with the components (e.g. the metrics endpoint): it is
+    /// restarted on failure and stopped and drained with them.
+    pub fn supervise(&mut self, name: &'static str, factory: crate::supervisor::Factory) {
+        self.supervisor.add(name, factory);
     }
+
+    /// Runs until the token is cancelled or a component fails fatally, then drains
+    /// within the limit.
+    pub async fn wait(mut self) -> Stopped {
+        let stop = self.supervisor.run().await;
+        let abandoned = self.supervisor.drain(self.drain).await;
+        Stopped { stop, abandoned }
+    }
+}
+
+fn boxed<F>(future: F) -> ComponentFuture
+where
+    F: std::future::Future<Output = Result<(), crate::supervisor::Fatal>> + Send + 'static,
+{
+    Box::pin(future)
 }

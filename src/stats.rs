@@ -21,6 +21,9 @@ pub enum Outcome {
     Redelayed,
     /// Not due yet, shorter than the smallest tier: waited out in the worker.
     Held,
+    /// Due, but another transaction held the order's row lock: skipped, and decided
+    /// again after `worker.lock_retry` (the rest of the batch closed meanwhile).
+    Locked,
     /// Closed by the worker.
     Closed,
     /// Due, but the guarded close changed nothing (a payment or close won the race).
@@ -47,13 +50,14 @@ pub enum Outcome {
     ReleaseRepaired,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 17] = [
+pub const ALL_OUTCOMES: [Outcome; 18] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
     Outcome::Stale,
     Outcome::Redelayed,
     Outcome::Held,
+    Outcome::Locked,
     Outcome::Closed,
     Outcome::Raced,
     Outcome::Retried,
@@ -76,6 +80,7 @@ impl Outcome {
             Outcome::Stale => "stale",
             Outcome::Redelayed => "redelayed",
             Outcome::Held => "held",
+            Outcome::Locked => "locked",
             Outcome::Closed => "closed",
             Outcome::Raced => "raced",
             Outcome::Retried => "retried",

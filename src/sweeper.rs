@@ -7,6 +7,10 @@
 //! ([`crate::reconciler`]), which emits again the stock releases lost after a close.
 //! An overdue row whose deadline lapse cannot handle (written before the deadline
 //! rules existed) is skipped with a reason and counted; the sweep goes on.
+//! An order whose row another transaction holds locked is skipped (`SKIP LOCKED`
+//! in the close path) and left to the next sweep.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
@@ -16,6 +20,7 @@ use crate::close::{self, Candidate, CloseReason};
 use crate::config::SweeperConfig;
 use crate::db::{DbError, column};
 use crate::deadline;
+use crate::health::Busy;
 use crate::health::Health;
 use crate::rate::RateLimiter;
 use crate::reconciler;
@@ -30,6 +35,8 @@ pub struct Sweeper {
     pub stats: Stats,
     pub config: SweeperConfig,
     pub limiter: RateLimiter,
+    /// Bound on waiting for a lock other than a row lock in the close statement.
+    pub lock_timeout: Duration,
 }
 
 /// What one sweep did.
@@ -39,6 +46,8 @@ pub struct SweepReport {
     pub leader: bool,
     pub scanned: usize,
     pub closed: usize,
+    /// Overdue orders skipped because another transaction held their row lock.
+    pub locked: usize,
     /// Outbox rows older than `stuck_outbox_after`.
     pub stuck_outbox: i64,
     /// Lost stock releases the reconciler emitted again (should be 0).
@@ -67,6 +76,11 @@ fn sweepable(row: &tokio_postgres::Row) -> Result<Candidate, String> {
 
 impl Sweeper {
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
+        self.sweep_once(None).await
+    }
+
+    /// One sweep; `busy` (when given) hears of progress after every batch.
+    async fn sweep_once(&self, busy: Option<&Busy>) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
         let leader: bool = column(
             &client
@@ -77,7 +91,7 @@ impl Sweeper {
         if !leader {
             return Ok(SweepReport::default());
         }
-        let mut result = self.sweep(&mut client).await;
+        let mut result = self.sweep(&mut client, busy).await;
         if let Ok(report) = &mut result {
             match reconciler::run_once(&mut client, &self.config, &self.stats).await {
                 Ok(r) => report.releases_repaired = r.repaired,
@@ -90,7 +104,11 @@ impl Sweeper {
         result
     }
 
-    async fn sweep(&self, client: &mut deadpool_postgres::Client) -> Result<SweepReport, DbError> {
+    async fn sweep(
+        &self,
+        client: &mut deadpool_postgres::Client,
+        busy: Option<&Busy>,
+    ) -> Result<SweepReport, DbError> {
         let mut report = SweepReport {
             leader: true,
             ..Default::default()
@@ -123,9 +141,21 @@ impl Sweeper {
                 }
             }
             let tx = client.transaction().await?;
-            let closed = close::close_due(&*tx, &candidates, CloseReason::Sweeper).await?;
+            let done =
+                close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
             tx.commit().await?;
-            self.limiter.acquire(closed.len()).await;
+            let closed = done.closed;
+            // Pacing is deliberate idleness, not a stall.
+            let pace = async {
+                self.limiter.acquire(closed.len()).await;
+                if rows.len() >= self.config.batch_size.try_into().unwrap_or(usize::MAX) {
+                    tokio::time::sleep(self.config.pause).await;
+                }
+            };
+            match busy {
+                Some(busy) => busy.idle_while(pace).await,
+                None => pace.await,
+            }
             for c in &closed {
                 self.stats.lateness(c.lateness(), "sweeper");
             }
@@ -135,10 +165,14 @@ impl Sweeper {
                 Outcome::SweptClosed,
                 u64::try_from(closed.len()).unwrap_or(0),
             );
+            report.locked += done.locked.len();
+            self.stats.record(
+                Outcome::Locked,
+                u64::try_from(done.locked.len()).unwrap_or(0),
+            );
             if i64::try_from(rows.len()).unwrap_or(i64::MAX) < self.config.batch_size {
                 break;
             }
-            tokio::time::sleep(self.config.pause).await;
         }
         report.unreadable = unreadable.len();
         metrics::gauge!("lapse_orders_unreadable_deadline").set(unreadable.len() as f64);
@@ -176,7 +210,10 @@ impl Sweeper {
 
     pub async fn run(self, health: Health, token: CancellationToken) {
         loop {
-            match self.run_once().await {
+            let busy = health.busy("sweeper");
+            let swept = self.sweep_once(Some(&busy)).await;
+            drop(busy);
+            match swept {
                 Ok(report) => {
                     health.up("sweeper");
                     tracing::debug!(?report, "sweep done");

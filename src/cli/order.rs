@@ -47,7 +47,7 @@ pub enum OrderCommand {
 const CREATE_CHUNK: u32 = 500;
 
 pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitStatus> {
-    let pool = db::pool(&config.database.url, 1)?;
+    let pool = db::pool(&config.database, 1)?;
     let mut client = pool.get().await?;
     match command {
         OrderCommand::Create {

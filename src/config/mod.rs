@@ -76,6 +76,11 @@ pub struct BrokerConfig {
     pub management_url: Option<Secret>,
     /// Every broker object name starts with `<prefix>.`.
     pub prefix: String,
+    /// AMQP heartbeat of the worker's connections (whole seconds; a `heartbeat` in
+    /// `url` wins). The broker takes back a frozen worker's unacknowledged deliveries
+    /// after about two missed heartbeats.
+    #[serde(with = "humantime_serde")]
+    pub heartbeat: Duration,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -85,6 +90,14 @@ pub struct DatabaseConfig {
     pub url: Secret,
     /// Connections per pool (the worker, relay and sweeper each have their own).
     pub pool_size: usize,
+    /// `statement_timeout` (and `idle_in_transaction_session_timeout`) of every pooled
+    /// connection: a hung database call ends with an error instead of stalling a loop.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
+    /// `lock_timeout` of the close path (row locks are skipped, not waited for; this
+    /// bounds any other lock wait).
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -129,6 +142,14 @@ pub struct WorkerConfig {
     pub drain_timeout: Duration,
     /// Upper bound on closes per second (0 = unlimited).
     pub closes_per_second: u32,
+    /// A due order whose row another transaction holds locked is decided again after
+    /// this long (the delivery stays unacknowledged meanwhile).
+    #[serde(with = "humantime_serde")]
+    pub lock_retry: Duration,
+    /// A component busy on one unit of work for longer than this without progress is
+    /// stalled: `GET /livez` answers 503 so that a supervisor restarts the process.
+    #[serde(with = "humantime_serde")]
+    pub stall_limit: Duration,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -185,10 +206,13 @@ impl Default for Config {
                 url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
                 management_url: None,
                 prefix: "lapse".into(),
+                heartbeat: Duration::from_secs(10),
             },
             database: DatabaseConfig {
                 url: Secret::new("postgres://postgres@127.0.0.1:5432/lapse"),
                 pool_size: 8,
+                statement_timeout: Duration::from_secs(30),
+                lock_timeout: Duration::from_secs(5),
             },
             topology: TopologyConfig {
                 file: PathBuf::from("topology/default.toml"),
@@ -207,6 +231,8 @@ impl Default for Config {
                 retry_backoff: Duration::from_millis(500),
                 drain_timeout: Duration::from_secs(10),
                 closes_per_second: 0,
+                lock_retry: Duration::from_millis(500),
+                stall_limit: Duration::from_secs(60),
             },
             relay: RelayConfig {
                 batch_size: 500,
@@ -285,6 +311,7 @@ impl Config {
                 "must be greater than 0 (releases still in flight would be emitted again)",
             ));
         }
+        self.validate_intervals()?;
         if self.orders.initial_stock < 0 {
             return Err(ConfigError::new(
                 "orders.initial_stock",
@@ -397,6 +424,8 @@ fn without_source_lines(message: &str) -> String {
         .collect::<Vec<_>>()
         .join(": ")
 }
+
+mod timing;
 
 #[cfg(test)]
 mod tests;

@@ -98,3 +98,66 @@ fn the_deadline_horizon_defaults_to_366_days_and_is_bounded() {
         Ok(())
     });
 }
+
+#[test]
+fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let cases = [
+            ("[sweeper]\ninterval = \"0s\"", "sweeper.interval"),
+            ("[relay]\npoll_interval = \"0s\"", "relay.poll_interval"),
+            ("[relay]\npoll_interval = \"500us\"", "relay.poll_interval"),
+            ("[worker]\nlock_retry = \"0s\"", "worker.lock_retry"),
+            ("[worker]\nstall_limit = \"0s\"", "worker.stall_limit"),
+            (
+                "[database]\nstatement_timeout = \"0s\"",
+                "database.statement_timeout",
+            ),
+            (
+                "[database]\nstatement_timeout = \"30days\"",
+                "database.statement_timeout",
+            ),
+            ("[database]\nlock_timeout = \"0s\"", "database.lock_timeout"),
+            ("[broker]\nheartbeat = \"0s\"", "broker.heartbeat"),
+            ("[broker]\nheartbeat = \"500ms\"", "broker.heartbeat"),
+            ("[broker]\nheartbeat = \"1day\"", "broker.heartbeat"),
+        ];
+        for (text, key) in cases {
+            jail.create_file("lapse.toml", text)?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, key, "{text}");
+        }
+        jail.create_file(
+            "lapse.toml",
+            "[sweeper]\ninterval = \"1ms\"\n[relay]\npoll_interval = \"1ms\"\n[broker]\nheartbeat = \"1s\"",
+        )?;
+        load().unwrap();
+        Ok(())
+    });
+}
+
+#[test]
+fn the_heartbeat_goes_into_the_workers_broker_url_unless_the_url_has_one() {
+    let mut broker = Config::default().broker;
+    assert_eq!(broker.heartbeat, Duration::from_secs(10));
+    broker.url = Secret::new("amqp://u:p%40ss@h:5672/%2f");
+    assert_eq!(
+        broker.url_with_heartbeat().expose(),
+        "amqp://u:p%40ss@h:5672/%2f?heartbeat=10"
+    );
+    broker.url = Secret::new("amqp://u:p@h/vh?frame_max=8192");
+    assert_eq!(
+        broker.url_with_heartbeat().expose(),
+        "amqp://u:p@h/vh?frame_max=8192&heartbeat=10"
+    );
+    broker.url = Secret::new("amqp://u:p@h/%2f?heartbeat=3");
+    assert_eq!(
+        broker.url_with_heartbeat().expose(),
+        "amqp://u:p@h/%2f?heartbeat=3"
+    );
+    let parsed =
+        lapin::uri::AMQPUri::from_str(Config::default().broker.url_with_heartbeat().expose())
+            .unwrap();
+    assert_eq!(parsed.query.heartbeat, Some(10));
+    assert_eq!(parsed.vhost, "/");
+}

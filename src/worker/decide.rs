@@ -32,6 +32,10 @@ pub enum Action {
     Park { reason: String, outcome: Outcome },
     /// Keep unacknowledged, decide again after this long.
     Hold(Duration),
+    /// Due, but another transaction holds the order's row lock (an application
+    /// inside `SELECT ... FOR UPDATE`): keep unacknowledged and decide again after
+    /// this long. Only this order waits; the rest of its batch was closed.
+    Locked(Duration),
 }
 
 #[derive(Clone)]
@@ -41,6 +45,10 @@ pub struct Decider {
     pub tiers: TierSet,
     pub max_attempts: u32,
     pub retry_backoff: Duration,
+    /// How long a due order whose row is locked waits before it is decided again.
+    pub lock_retry: Duration,
+    /// Bound on waiting for any other lock in the close statement.
+    pub lock_timeout: Duration,
 }
 
 /// An order as the decision sees it. `expire_at` is an error (the reason) when the
@@ -88,6 +96,8 @@ struct Snapshot {
     db_now: DateTime<Utc>,
     orders: HashMap<i64, Result<OrderRow, String>>,
     closed: Vec<Closed>,
+    /// Due orders the close skipped because their row was locked.
+    locked: HashSet<i64>,
 }
 
 impl Decider {
@@ -154,12 +164,14 @@ impl Decider {
                 hops: i32::try_from(m.hops).unwrap_or(i32::MAX),
             })
             .collect();
-        let closed = close::close_due(&*tx, &candidates, CloseReason::Timeout).await?;
+        let report =
+            close::close_due(&tx, &candidates, CloseReason::Timeout, self.lock_timeout).await?;
         tx.commit().await?;
         Ok(Snapshot {
             db_now,
             orders,
-            closed,
+            closed: report.closed,
+            locked: report.locked.into_iter().collect(),
         })
     }
 
@@ -189,6 +201,8 @@ impl Decider {
         if expire_at <= snap.db_now {
             return if closed_ids.remove(&m.order_id) {
                 Action::Ack(Outcome::Closed)
+            } else if snap.locked.contains(&m.order_id) {
+                Action::Locked(self.lock_retry)
             } else if snap.closed.iter().any(|c| c.order_id == m.order_id) {
                 Action::Ack(Outcome::Settled)
             } else {
@@ -264,7 +278,14 @@ mod tests {
     fn decider() -> Decider {
         Decider {
             // Never connected: classify and retry are pure.
-            pool: db::pool(&Secret::new("postgres://nobody@127.0.0.1:1/none"), 1).unwrap(),
+            pool: db::pool(
+                &crate::config::DatabaseConfig {
+                    url: Secret::new("postgres://nobody@127.0.0.1:1/none"),
+                    ..crate::config::Config::default().database
+                },
+                1,
+            )
+            .unwrap(),
             names: Names::new("t"),
             tiers: TierSet::new(vec![
                 Tier::parse("1s").unwrap(),
@@ -272,6 +293,8 @@ mod tests {
             ]),
             max_attempts: 3,
             retry_backoff: Duration::from_millis(500),
+            lock_retry: Duration::from_millis(500),
+            lock_timeout: Duration::from_secs(5),
         }
     }
 
@@ -286,6 +309,7 @@ mod tests {
             db_now: now(),
             orders: HashMap::from([(7, row)]),
             closed: Vec::new(),
+            locked: HashSet::new(),
         }
     }
 

@@ -28,6 +28,7 @@ use crate::health::Health;
 use crate::message::{TimeoutMessage, parked_properties};
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
+use crate::supervisor::Fatal;
 use crate::tier::TierSet;
 use crate::topology::Names;
 
@@ -50,6 +51,8 @@ pub struct BatchReport {
     pub held: usize,
     /// Publishes the broker refused; those deliveries were returned to the queue.
     pub requeued: usize,
+    /// Orders this batch closed (what the closes-per-second limit charges).
+    pub closed: usize,
 }
 
 impl Consumer {
@@ -71,6 +74,8 @@ impl Consumer {
                 tiers,
                 max_attempts: w.max_attempts,
                 retry_backoff: w.retry_backoff,
+                lock_retry: w.lock_retry,
+                lock_timeout: config.database.lock_timeout,
             },
             names,
             stats,
@@ -82,21 +87,31 @@ impl Consumer {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+    pub async fn run(
+        self,
+        broker_url: Secret,
+        health: Health,
+        token: CancellationToken,
+    ) -> Result<(), Fatal> {
         crate::backoff::reconnecting("consumer", &health, &token, || {
-            self.session(&broker_url, &token)
+            self.session(&broker_url, &health, &token)
         })
-        .await;
+        .await
     }
 
+    /// One broker session. Opening it and each batch are units of work for the
+    /// liveness check; waiting for deliveries and rate limiting are not.
     async fn session(
         &self,
         broker_url: &Secret,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let name = format!("lapse worker {}", self.names.prefix);
         let queue = self.names.due_queue();
+        let busy = health.busy("consumer");
         let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        drop(busy);
         let mut refused = Backoff::new();
         let result = loop {
             let batch = match session
@@ -108,10 +123,17 @@ impl Consumer {
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             };
-            match self
+            let busy = health.busy("consumer");
+            let report = self
                 .process(batch, &session.publisher, &session.source)
-                .await
-            {
+                .await;
+            // Pay for the closes after the fact: the next batch waits, so a backlog
+            // drains at the configured rate. Only closes count, not duplicates or stale ones.
+            if let Ok(report) = &report {
+                busy.idle_while(self.limiter.acquire(report.closed)).await;
+            }
+            drop(busy);
+            match report {
                 // A full tier refused re-delays: slow down instead of spinning on redeliveries.
                 Ok(report) if report.requeued > 0 => refused.sleep(token).await,
                 Ok(_) => refused.reset(),
@@ -155,8 +177,12 @@ impl Consumer {
                     self.stats.record(outcome, 1);
                     report.acked += 1;
                 }
-                Action::Hold(after) => {
-                    self.stats.record(Outcome::Held, 1);
+                Action::Hold(after) | Action::Locked(after) => {
+                    let outcome = match action {
+                        Action::Locked(_) => Outcome::Locked,
+                        _ => Outcome::Held,
+                    };
+                    self.stats.record(outcome, 1);
                     report.held += 1;
                     let back = source.return_to.clone();
                     tokio::spawn(async move {
@@ -244,9 +270,7 @@ impl Consumer {
             broken.get_or_insert(e);
         }
         self.record_hops(hops).await;
-        // Pay for the closes after the fact: the next batch waits, so a backlog
-        // drains at the configured rate. Only closes count, not duplicates or stale ones.
-        self.limiter.acquire(closed.len()).await;
+        report.closed = closed.len();
         match broken {
             Some(e) => Err(e),
             None => Ok(report),

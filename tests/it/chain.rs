@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::QueuePurgeOptions;
-use lapse::config::Secret;
 use lapse::orders::{self, Line, OrderId, PayOutcome};
 use lapse::stats::Outcome;
 
@@ -164,7 +163,7 @@ async fn payments_racing_the_deadline_never_both_win() {
     .await;
     let worker = env.start(&env.config()).await;
 
-    let pool = lapse::db::pool(&Secret::new(env.database_url()), 16).unwrap();
+    let pool = lapse::db::pool(&env.config().database, 16).unwrap();
     let deadlines: Vec<(i64, chrono::DateTime<chrono::Utc>)> = db
         .query("SELECT id, expire_at FROM orders ORDER BY id", &[])
         .await
@@ -315,16 +314,19 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     let env = TestEnv::with_database(&["1s"]).await;
     let mut db = env.db().await;
     create_orders(&mut db, &[Duration::from_millis(100); 30], &one_line()).await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // overdue, and no relay ran
+    tokio::time::sleep(Duration::from_millis(1_000)).await; // overdue, and no relay ran
     let mut config = env.config().sweeper;
     config.grace = Duration::from_millis(50);
-    config.stuck_outbox_after = Duration::from_millis(200);
+    // Between the intents' age and the age of the release rows the sweep itself writes
+    // (its duration, which a loaded machine stretches).
+    config.stuck_outbox_after = Duration::from_millis(700);
     config.batch_size = 7; // several keyset pages
     let sweeper = lapse::sweeper::Sweeper {
-        pool: lapse::db::pool(&Secret::new(env.database_url()), 2).unwrap(),
+        pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::stats::Stats::default(),
         config,
         limiter: lapse::rate::RateLimiter::new(0),
+        lock_timeout: Duration::from_secs(5),
     };
     // Another sweeper holds the leader lock: this one does nothing.
     let other = env.db().await;

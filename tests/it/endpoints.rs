@@ -1,4 +1,4 @@
-//! `lapse worker --metrics-listen`: GET /metrics and GET /health through the binary.
+//! `lapse worker --metrics-listen`: GET /metrics, /livez and /health through the binary.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use crate::helpers::{TestEnv, eventually};
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -15,7 +15,7 @@ fn free_port() -> u16 {
         .port()
 }
 
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
         .await
         .ok()?;
@@ -44,13 +44,21 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
     let health: Value = eventually(Duration::from_secs(20), "a healthy worker", || async {
         let (status, body) = get(port, "/health").await?;
         let health: Value = serde_json::from_str(&body).ok()?;
-        (status == 200 && health["components"].as_object()?.len() == 4).then_some(health)
+        let all = ["consumer", "relay", "releaser", "sweeper", "http"];
+        let listed = all.iter().all(|c| health["components"].get(c).is_some());
+        (status == 200 && listed).then_some(health)
     })
     .await;
     assert_eq!(health["status"], "ok");
-    for component in ["consumer", "relay", "releaser", "sweeper"] {
+    for component in ["consumer", "relay", "releaser", "sweeper", "http"] {
         assert_eq!(health["components"][component]["up"], true, "{health}");
+        assert_eq!(
+            health["components"][component]["stalled"], false,
+            "{health}"
+        );
     }
+    let (status, body) = get(port, "/livez").await.unwrap();
+    assert_eq!(status, 200, "{body}");
     let created = env.lapse(&["order", "create", "--expires-in", "300ms"]);
     assert!(created.status.success());
     eventually(

@@ -332,14 +332,15 @@ pub async fn drop_database(name: &str) {
 pub struct Running {
     pub token: CancellationToken,
     pub stats: Stats,
-    join: tokio::task::JoinHandle<Vec<String>>,
+    join: tokio::task::JoinHandle<lapse::service::Stopped>,
 }
 
 impl Running {
     /// Cancels and waits for the drain; returns what had to be abandoned.
     pub async fn stop(self) -> Vec<String> {
         self.token.cancel();
-        self.join.await.unwrap()
+        let stopped = self.join.await.unwrap();
+        stopped.abandoned.iter().map(|c| c.to_string()).collect()
     }
 }
 

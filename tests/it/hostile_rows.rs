@@ -9,7 +9,6 @@ use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use lapse::broker::Publisher;
-use lapse::config::Secret;
 use lapse::message::park_reason;
 use lapse::orders::Line;
 use lapse::stats::Outcome;
@@ -68,7 +67,7 @@ async fn the_relay_parks_an_outbox_payload_that_is_not_a_timeout_intent() {
     let config = env.config();
     let relay = lapse::relay::Relay::new(
         &config,
-        lapse::db::pool(&Secret::new(env.database_url()), 2).unwrap(),
+        lapse::db::pool(&env.config().database, 2).unwrap(),
         config.tier_file().unwrap().tiers,
         lapse::stats::Stats::default(),
     );
@@ -114,10 +113,11 @@ async fn the_sweeper_skips_rows_it_cannot_handle_and_keeps_sweeping() {
     config.grace = Duration::from_millis(50);
     config.batch_size = 1; // the unreadable rows come first: pagination must pass them
     let sweeper = lapse::sweeper::Sweeper {
-        pool: lapse::db::pool(&Secret::new(env.database_url()), 2).unwrap(),
+        pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::stats::Stats::default(),
         config,
         limiter: lapse::rate::RateLimiter::new(0),
+        lock_timeout: Duration::from_secs(5),
     };
     for _ in 0..2 {
         let report = sweeper.run_once().await.unwrap();

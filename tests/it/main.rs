@@ -10,6 +10,8 @@ mod endpoints;
 mod helpers;
 mod hostile_deadlines;
 mod hostile_rows;
+mod liveness;
+mod locks;
 mod outage;
 mod pipeline;
 mod private_pg;

@@ -145,10 +145,11 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
     let mut sweeper_config = config.sweeper.clone();
     sweeper_config.release_grace = Duration::from_millis(500);
     let sweeper = Sweeper {
-        pool: lapse::db::pool(&Secret::new(env.database_url()), 2).unwrap(),
+        pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::stats::Stats::default(),
         config: sweeper_config,
         limiter: lapse::rate::RateLimiter::new(0),
+        lock_timeout: Duration::from_secs(5),
     };
     let started = std::time::Instant::now();
     let mut repaired = 0;

@@ -1,0 +1,80 @@
+//! Intervals, timeouts and the AMQP heartbeat: the settings where zero (or less than
+//! the unit the other side understands) would make a loop spin or switch a protection
+//! off. Each is refused with an error naming its key.
+
+use std::time::Duration;
+
+use super::{BrokerConfig, Config, ConfigError, Secret};
+
+impl Config {
+    /// Intervals and timeouts where zero would make a loop spin or switch a
+    /// protection off.
+    pub(super) fn validate_intervals(&self) -> Result<(), ConfigError> {
+        let ms = Duration::from_millis(1);
+        // PostgreSQL takes these in milliseconds as a 32-bit integer.
+        let pg_max = Duration::from_millis(i32::MAX.unsigned_abs().into());
+        within("relay.poll_interval", self.relay.poll_interval, ms, None)?;
+        within("sweeper.interval", self.sweeper.interval, ms, None)?;
+        within("worker.lock_retry", self.worker.lock_retry, ms, None)?;
+        within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
+        within(
+            "database.statement_timeout",
+            self.database.statement_timeout,
+            ms,
+            Some(pg_max),
+        )?;
+        within(
+            "database.lock_timeout",
+            self.database.lock_timeout,
+            ms,
+            Some(pg_max),
+        )?;
+        within(
+            "broker.heartbeat",
+            self.broker.heartbeat,
+            Duration::from_secs(1),
+            Some(Duration::from_secs(u16::MAX.into())),
+        )
+    }
+}
+
+impl BrokerConfig {
+    /// `url` with `broker.heartbeat` as its `heartbeat` query parameter, unless the URL
+    /// names one itself. Used by the worker's connections.
+    pub fn url_with_heartbeat(&self) -> Secret {
+        let Ok(mut url) = url::Url::parse(self.url.expose()) else {
+            return self.url.clone();
+        };
+        if url.query_pairs().any(|(key, _)| key == "heartbeat") {
+            return self.url.clone();
+        }
+        url.query_pairs_mut()
+            .append_pair("heartbeat", &self.heartbeat.as_secs().to_string());
+        Secret::new(String::from(url))
+    }
+}
+
+/// `value` at least `min` (and at most `max`, when given).
+fn within(
+    key: &str,
+    value: Duration,
+    min: Duration,
+    max: Option<Duration>,
+) -> Result<(), ConfigError> {
+    if value < min {
+        return Err(ConfigError::new(
+            key,
+            format!(
+                "must be at least {} (zero would spin or switch the protection off)",
+                humantime::format_duration(min)
+            ),
+        ));
+    }
+    if let Some(max) = max.filter(|max| value > *max) {
+        return Err(ConfigError::new(
+            key,
+            format!("must be at most {}", humantime::format_duration(max)),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,187 @@
+//! An application holding an order's row lock (`SELECT ... FOR UPDATE` around a slow
+//! payment call) across the deadline: only that order waits; everything else closes.
+//! And the timeouts that bound a hung database call.
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use lapse::orders::Line;
+use lapse::stats::Outcome;
+
+use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};
+
+fn one_line() -> Vec<Line> {
+    vec![Line {
+        sku: "locked-widget".into(),
+        qty: 1,
+    }]
+}
+
+/// Begins a transaction on `holder` that locks order `id` like an application would.
+async fn hold_row_lock(holder: &tokio_postgres::Client, id: i64) {
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .query_one("SELECT id FROM orders WHERE id = $1 FOR UPDATE", &[&id])
+        .await
+        .unwrap();
+}
+
+/// Ends the holder's transaction; returns the database clock just before it ended.
+async fn release_row_lock(holder: &tokio_postgres::Client) -> DateTime<Utc> {
+    let at: DateTime<Utc> = holder
+        .query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    at
+}
+
+async fn times_closed(db: &tokio_postgres::Client) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM (SELECT order_id FROM order_events WHERE event = 'closed'
+          GROUP BY order_id HAVING count(*) > 1) twice",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let worker = env.start(&env.config()).await;
+    let mut db = env.db().await;
+    let locked = create_orders(&mut db, &[Duration::from_secs(3)], &one_line()).await[0].0;
+    let others = create_orders(&mut db, &[Duration::from_secs(4); 50], &one_line()).await;
+    let created = Instant::now();
+    let holder = env.db().await;
+    hold_row_lock(&holder, locked).await;
+
+    // Everything else closes while the lock is still held.
+    let closed_within = eventually(
+        Duration::from_secs(4 + 12),
+        "the 50 unlocked orders closed while one row is locked",
+        || async {
+            let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            (closed == 50).then(|| created.elapsed())
+        },
+    )
+    .await;
+    let ids: Vec<i64> = others.iter().map(|o| o.0).collect();
+    let closed_others: i64 = db
+        .query_one(
+            "SELECT count(*) FROM orders WHERE id = ANY($1) AND status = 'CLOSED'",
+            &[&ids],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(closed_others, 50, "{closed_within:?} after creating them");
+    // The worker met the lock, skipped it and keeps retrying it.
+    eventually(Duration::from_secs(10), "the lock noticed", || async {
+        (worker.stats.get(Outcome::Locked) >= 2).then_some(())
+    })
+    .await;
+    let status: String = db
+        .query_one("SELECT status FROM orders WHERE id = $1", &[&locked])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "UNPAID", "nothing happens to a row someone holds");
+    // The slow payment call goes on a little longer, well past the deadline.
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(created.elapsed())).await;
+    let released_at = release_row_lock(&holder).await;
+
+    let closed_at: DateTime<Utc> = eventually(
+        Duration::from_secs(30),
+        "the locked order closed after the lock was released",
+        || async {
+            db.query_one(
+                "SELECT closed_at FROM orders WHERE id = $1 AND status = 'CLOSED'",
+                &[&locked],
+            )
+            .await
+            .ok()
+            .map(|r| r.get(0))
+        },
+    )
+    .await;
+    assert!(
+        closed_at > released_at,
+        "closed_at {closed_at} is the moment of the close, after the lock ended at {released_at}"
+    );
+    assert_never_early(&db).await;
+    assert_eq!(times_closed(&db).await, 0, "an order closed twice");
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        51
+    );
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    let ids = create_orders(&mut db, &[Duration::from_millis(100); 31], &one_line()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // overdue, and no relay ran
+    let mut config = env.config();
+    config.sweeper.grace = Duration::from_millis(50);
+    config.sweeper.batch_size = 7; // the locked row falls inside a keyset page
+    let sweeper = lapse::sweeper::Sweeper {
+        pool: lapse::db::pool(&config.database, 2).unwrap(),
+        stats: lapse::stats::Stats::default(),
+        config: config.sweeper.clone(),
+        limiter: lapse::rate::RateLimiter::new(0),
+        lock_timeout: config.database.lock_timeout,
+    };
+    let holder = env.db().await;
+    hold_row_lock(&holder, ids[10].0).await;
+
+    let report = tokio::time::timeout(Duration::from_secs(10), sweeper.run_once())
+        .await
+        .expect("the sweep does not wait for the lock")
+        .unwrap();
+    assert_eq!((report.closed, report.locked), (30, 1), "{report:?}");
+    let released_at = release_row_lock(&holder).await;
+    let report = sweeper.run_once().await.unwrap();
+    assert_eq!((report.closed, report.locked), (1, 0), "{report:?}");
+    let closed_at: DateTime<Utc> = db
+        .query_one("SELECT closed_at FROM orders WHERE id = $1", &[&ids[10].0])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(closed_at > released_at);
+    assert_never_early(&db).await;
+    assert_eq!(times_closed(&db).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn every_pooled_connection_has_a_statement_timeout() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    config.database.statement_timeout = Duration::from_millis(1_500);
+    let pool = lapse::db::pool(&config.database, 1).unwrap();
+    let client = pool.get().await.unwrap();
+    for setting in ["statement_timeout", "idle_in_transaction_session_timeout"] {
+        let value: String = client
+            .query_one(&format!("SHOW {setting}"), &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(value, "1500ms", "{setting}");
+    }
+    let started = Instant::now();
+    let hung = client.execute("SELECT pg_sleep(30)", &[]).await;
+    let error = hung.expect_err("a hung call ends with an error");
+    assert_eq!(
+        error.code(),
+        Some(&tokio_postgres::error::SqlState::QUERY_CANCELED)
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+    drop(client);
+    drop(pool);
+    env.cleanup().await;
+}
