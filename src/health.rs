@@ -2,7 +2,9 @@
 //! is working or backing off after a failure, with the last error.
 //!
 //! "Up" means: not currently waiting to retry after a failed session (broker or
-//! database). A component that has never failed is up.
+//! database). A component that has never failed is up. A broker alarm blocking a
+//! component's publishing connection is shown (`broker_blocked`, the broker's reason)
+//! but does not make it down: restarting lapse would not clear the broker's alarm.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -13,6 +15,9 @@ use serde::Serialize;
 pub struct ComponentState {
     pub up: bool,
     pub last_error: Option<String>,
+    /// Set while the broker blocks this component's publishing connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_blocked: Option<String>,
 }
 
 /// Shared health of all components; cheap to clone.
@@ -34,6 +39,13 @@ impl Health {
         let state = map.entry(component).or_default();
         state.up = false;
         state.last_error = Some(error);
+    }
+
+    /// Records that the broker blocks (`Some(reason)`) or no longer blocks (`None`)
+    /// the publishing connection of `component`.
+    pub fn blocked(&self, component: &'static str, reason: Option<String>) {
+        let mut map = self.components.lock().expect("health lock");
+        map.entry(component).or_default().broker_blocked = reason;
     }
 
     pub fn snapshot(&self) -> BTreeMap<&'static str, ComponentState> {

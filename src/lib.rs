@@ -8,7 +8,10 @@
 //! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its validation.
 //! - [`tier`]: delay tiers and the rule that picks the next hop for a deadline.
 //! - [`topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
-//! - [`broker`]: AMQP connections, argument tables, publishing with confirms.
+//! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
+//! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
+//! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
 //! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
@@ -39,7 +42,9 @@ pub mod http;
 pub mod management;
 pub mod message;
 pub mod orders;
+pub mod publishing;
 pub mod rate;
+pub mod redelivery;
 pub mod relay;
 pub mod releaser;
 pub mod service;
@@ -49,5 +54,6 @@ pub mod status;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
+pub mod tls;
 pub mod topology;
 pub mod worker;

@@ -20,11 +20,12 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::broker::{self, BrokerError, Publisher};
+use crate::broker::{self, BrokerError, Endpoint, Publisher};
 use crate::config::{Config, Secret};
 use crate::db::{self, DbError};
 use crate::health::Health;
 use crate::message::{Route, TimeoutMessage, parked_properties};
+use crate::publishing::BlockedWatch;
 use crate::stats::{Outcome, Stats};
 use crate::tier::TierSet;
 use crate::topology::{Names, STOCK_RELEASE_ROUTING_KEY};
@@ -241,7 +242,7 @@ impl Relay {
     /// Runs rounds until `token` is cancelled, reconnecting to the broker as needed.
     pub async fn run(
         self,
-        broker_url: Secret,
+        broker: Endpoint,
         db_url: Secret,
         poll: Duration,
         health: Health,
@@ -250,7 +251,7 @@ impl Relay {
         let wake = Arc::new(Notify::new());
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
         crate::backoff::reconnecting("relay", &health, &token, || {
-            self.session(&broker_url, &wake, poll, &token)
+            self.session(&broker, &health, &wake, poll, &token)
         })
         .await;
         let _ = listener.await;
@@ -260,14 +261,16 @@ impl Relay {
     /// when cancelled.
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
+        health: &Health,
         wake: &Notify,
         poll: Duration,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let name = format!("lapse relay {}", self.names.prefix);
-        let conn = broker::connect(broker_url, &name).await?;
-        let publisher = Publisher::new(&conn).await?;
+        let conn = broker.connect(&name).await?;
+        let _blocked = BlockedWatch::start(&conn, &name, "relay", health);
+        let publisher = broker.publisher(&conn).await?;
         let mut backoff = Backoff::new();
         let result = loop {
             if token.is_cancelled() {
@@ -276,6 +279,12 @@ impl Relay {
             // Notice a dropped connection while idle, not only at the next publish.
             if !publisher.is_usable() {
                 break Err(BrokerError::ConnectionLost);
+            }
+            // A broker alarm blocks this connection: wait it out rather than publish into
+            // it (a publish that gets stuck anyway ends in a confirm timeout; its rows stay).
+            if conn.status().blocked() {
+                backoff.sleep(token).await;
+                continue;
             }
             match self.run_once(&publisher).await {
                 Ok(RelayOutcome::Published { sent, refused: 0 }) => {

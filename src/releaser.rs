@@ -13,11 +13,11 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::ConsumerSession;
-use crate::broker::{BrokerError, Publisher};
-use crate::config::Secret;
+use crate::broker::{BrokerError, Endpoint};
 use crate::db::DbError;
 use crate::health::Health;
 use crate::message::parked_properties;
+use crate::publishing::PublishingConnection;
 use crate::stats::{Outcome, Stats};
 use crate::topology::Names;
 
@@ -73,21 +73,30 @@ impl Releaser {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+    pub async fn run(self, broker: Endpoint, health: Health, token: CancellationToken) {
         crate::backoff::reconnecting("releaser", &health, &token, || {
-            self.session(&broker_url, &token)
+            self.session(&broker, &health, &token)
         })
         .await;
     }
 
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let name = format!("lapse releaser {}", self.names.prefix);
         let queue = self.names.stock_release_queue();
-        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        let mut session = ConsumerSession::open(
+            broker,
+            "releaser",
+            &self.names.prefix,
+            "releaser",
+            health,
+            &queue,
+            self.prefetch,
+        )
+        .await?;
         let result = loop {
             match session
                 .source
@@ -95,7 +104,7 @@ impl Releaser {
                 .await
             {
                 Ok(Some(batch)) => {
-                    if let Err(e) = self.process(batch, &session.publisher).await {
+                    if let Err(e) = self.process(batch, &mut session.publishing).await {
                         break Err(e);
                     }
                 }
@@ -110,7 +119,7 @@ impl Releaser {
     async fn process(
         &self,
         batch: Vec<Delivery>,
-        publisher: &Publisher,
+        publishing: &mut PublishingConnection,
     ) -> Result<(), BrokerError> {
         let mut ids = Vec::new();
         let mut good = Vec::new();
@@ -124,7 +133,7 @@ impl Releaser {
                     let reason = format!("not a stock-release event: {e}");
                     tracing::warn!(%reason, "releaser: parking a message");
                     let properties = parked_properties(&delivery.properties, &reason);
-                    publisher
+                    publishing
                         .publish(&self.names.parked(), "", &delivery.data, properties)
                         .await?;
                     self.ack(&delivery).await?;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::broker::Endpoint;
 use crate::config::Config;
 use crate::db::{self, DbError};
 use crate::health::Health;
@@ -25,6 +26,8 @@ pub enum ServiceError {
     Db(#[from] DbError),
     #[error("invalid configuration: {0}")]
     Config(#[from] crate::config::ConfigError),
+    #[error("invalid configuration: broker.tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 pub struct Service {
@@ -45,6 +48,7 @@ impl Service {
             db::migrate(&config.database.url).await?;
         }
         let tiers = config.tier_file()?.tiers;
+        let broker = Endpoint::from_config(&config.broker)?;
         let w = &config.worker;
         let pool = || db::pool(&config.database.url, config.database.pool_size);
         let mut tasks = JoinSet::new();
@@ -58,11 +62,7 @@ impl Service {
                 stats.clone(),
                 limiter.clone(),
             );
-            let (url, h, t) = (
-                config.broker.url.clone(),
-                health.clone(),
-                token.child_token(),
-            );
+            let (url, h, t) = (broker.clone(), health.clone(), token.child_token());
             tasks.spawn(async move {
                 consumer.run(url, h, t).await;
                 "consumer"
@@ -71,7 +71,7 @@ impl Service {
         if w.relay {
             let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
             let (url, db_url, poll, t) = (
-                config.broker.url.clone(),
+                broker.clone(),
                 config.database.url.clone(),
                 config.relay.poll_interval,
                 token.child_token(),
@@ -91,11 +91,7 @@ impl Service {
                 batch_size: w.batch_size.min(usize::from(w.prefetch)),
                 batch_window: w.batch_window,
             };
-            let (url, h, t) = (
-                config.broker.url.clone(),
-                health.clone(),
-                token.child_token(),
-            );
+            let (url, h, t) = (broker.clone(), health.clone(), token.child_token());
             tasks.spawn(async move {
                 releaser.run(url, h, t).await;
                 "releaser"

@@ -5,7 +5,11 @@
 //! Invariants: a delivery is acknowledged only after its database transaction
 //! committed and any publish it needed was confirmed; a crash anywhere before that
 //! leaves it unacknowledged, so the broker redelivers it and the guarded close makes
-//! the repeat harmless.
+//! the repeat harmless. A publish that fails (refused by a full tier, no confirm
+//! within the timeout, publishing blocked by a broker alarm) never gives the delivery
+//! back to the broker — that would spend its delivery budget — : the worker keeps it
+//! and decides it again after a back-off, so a delivery that has meanwhile become due
+//! is closed instead of re-delayed.
 
 mod decide;
 
@@ -16,16 +20,17 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::batch::{BatchSource, ConsumerSession};
-use crate::broker::{BrokerError, Publisher};
-use crate::config::{Config, Secret};
+use crate::broker::{BrokerError, Endpoint};
+use crate::config::Config;
 use crate::health::Health;
 use crate::message::{TimeoutMessage, parked_properties};
+use crate::publishing::PublishingConnection;
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 use crate::tier::TierSet;
@@ -48,8 +53,9 @@ pub struct BatchReport {
     pub deliveries: usize,
     pub acked: usize,
     pub held: usize,
-    /// Publishes the broker refused; those deliveries were returned to the queue.
-    pub requeued: usize,
+    /// Deliveries whose publish failed; the worker keeps them and decides them again
+    /// after a back-off.
+    pub retrying: usize,
 }
 
 impl Consumer {
@@ -82,22 +88,31 @@ impl Consumer {
     }
 
     /// Consumes until `token` is cancelled, reconnecting with back-off.
-    pub async fn run(self, broker_url: Secret, health: Health, token: CancellationToken) {
+    pub async fn run(self, broker: Endpoint, health: Health, token: CancellationToken) {
         crate::backoff::reconnecting("consumer", &health, &token, || {
-            self.session(&broker_url, &token)
+            self.session(&broker, &health, &token)
         })
         .await;
     }
 
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
+        health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let name = format!("lapse worker {}", self.names.prefix);
         let queue = self.names.due_queue();
-        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
-        let mut refused = Backoff::new();
+        let mut session = ConsumerSession::open(
+            broker,
+            "worker",
+            &self.names.prefix,
+            "consumer",
+            health,
+            &queue,
+            self.prefetch,
+        )
+        .await?;
+        let mut retry = Backoff::new();
         let result = loop {
             let batch = match session
                 .source
@@ -108,27 +123,27 @@ impl Consumer {
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             };
-            match self
-                .process(batch, &session.publisher, &session.source)
+            if let Err(e) = self
+                .process(batch, &mut session.publishing, &session.source, &mut retry)
                 .await
             {
-                // A full tier refused re-delays: slow down instead of spinning on redeliveries.
-                Ok(report) if report.requeued > 0 => refused.sleep(token).await,
-                Ok(_) => refused.reset(),
-                Err(e) => break Err(e),
+                break Err(e);
             }
         };
         session.close().await;
         result
     }
 
-    /// Decides and carries out one batch.
+    /// Decides and carries out one batch. Deliveries whose publish fails are kept and
+    /// come back through `source` after `retry`'s next delay (reset once publishes
+    /// succeed again).
     #[tracing::instrument(skip_all, fields(size = batch.len()))]
     pub async fn process(
         &self,
         batch: Vec<Delivery>,
-        publisher: &Publisher,
+        publishing: &mut PublishingConnection,
         source: &BatchSource,
+        retry: &mut Backoff,
     ) -> Result<BatchReport, BrokerError> {
         let mut report = BatchReport {
             deliveries: batch.len(),
@@ -158,11 +173,7 @@ impl Consumer {
                 Action::Hold(after) => {
                     self.stats.record(Outcome::Held, 1);
                     report.held += 1;
-                    let back = source.return_to.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep_until(read_at + after).await;
-                        let _ = back.send(delivery);
-                    });
+                    hold(source, delivery, read_at + after);
                 }
                 Action::Publish {
                     route,
@@ -197,8 +208,10 @@ impl Consumer {
                 }
             }
         }
-        let results = publisher.publish_all(to_publish).await;
-        let mut broken = None;
+        let attempted = !to_publish.is_empty();
+        let results = publishing.publish_all(to_publish).await;
+        let mut failure = None;
+        let mut failed = Vec::new();
         for ((delivery, outcome), result) in waiting.into_iter().zip(results) {
             match result {
                 Ok(()) => {
@@ -207,31 +220,33 @@ impl Consumer {
                     report.acked += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "worker: publish refused; returning the delivery to the queue");
-                    let _ = delivery
-                        .acker
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await;
-                    report.requeued += 1;
                     if matches!(e, BrokerError::Nacked { .. }) {
                         self.stats.record(Outcome::PublishRefused, 1);
-                    } else {
-                        broken = Some(e);
                     }
+                    failure.get_or_insert(e);
+                    failed.push(delivery);
                 }
             }
+        }
+        if let Some(e) = failure {
+            // Keep the deliveries (no nack: that would spend their delivery budget) and
+            // decide them again later: by then some may be due, or the tier may have room.
+            let delay = retry.next_delay();
+            tracing::warn!(error = %e, deliveries = failed.len(), retry_in_ms = delay.as_millis() as u64,
+                "worker: publish failed; keeping the deliveries to decide again");
+            report.retrying = failed.len();
+            let until = tokio::time::Instant::now() + delay;
+            for delivery in failed {
+                hold(source, delivery, until);
+            }
+        } else if attempted {
+            retry.reset();
         }
         self.record_hops(hops).await;
         // Pay for the closes after the fact: the next batch waits, so a backlog
         // drains at the configured rate. Only closes count, not duplicates or stale ones.
         self.limiter.acquire(closed.len()).await;
-        match broken {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        Ok(report)
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.
@@ -251,6 +266,15 @@ impl Consumer {
             )
             .await;
     }
+}
+
+/// Keeps `delivery` unacknowledged and hands it back to the batch source at `until`.
+fn hold(source: &BatchSource, delivery: Delivery, until: tokio::time::Instant) {
+    let back = source.return_to.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep_until(until).await;
+        let _ = back.send(delivery);
+    });
 }
 
 async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
