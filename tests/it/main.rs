@@ -2,6 +2,7 @@
 //! unique broker name prefix (and, where it needs one, a fresh database) and cleans
 //! up after itself. Set `TEST_LOG=1` to see the library's logs.
 
+mod alarm;
 mod backlog;
 mod chain;
 mod cli_orders;
@@ -11,4 +12,8 @@ mod helpers;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod private_rabbit;
+mod redelivery;
+mod tls;
+
 mod topology;
