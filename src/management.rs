@@ -90,12 +90,10 @@ impl Management {
             path: "(client)".into(),
             message,
         };
-        let tls = tls
-            .client_config()
-            .map_err(|e| client_error(e.to_string()))?;
-        let http = reqwest::Client::builder()
+        let http = tls
+            .http_client()
+            .map_err(|e| client_error(e.to_string()))?
             .timeout(std::time::Duration::from_secs(10))
-            .tls_backend_preconfigured(tls)
             .build()
             .map_err(|e| ManagementError::Request {
                 path: "(client)".into(),

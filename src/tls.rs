@@ -136,6 +136,13 @@ impl TlsFiles {
             }
         }
     }
+
+    /// An HTTP client builder with this trust and identity. reqwest is built without a
+    /// crypto provider of its own (its default would pull in aws-lc), so
+    /// `reqwest::Client::new()` would panic: build every HTTP client through this.
+    pub fn http_client(&self) -> Result<reqwest::ClientBuilder, TlsError> {
+        Ok(reqwest::Client::builder().tls_backend_preconfigured(self.client_config()?))
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -192,6 +199,11 @@ mod tests {
         let files = TlsFiles::load(None, None, None).unwrap();
         assert!(files.is_empty());
         assert_eq!(files.amqp(), OwnedTLSConfig::default());
+    }
+
+    #[test]
+    fn an_http_client_builds_without_a_process_wide_crypto_provider() {
+        TlsFiles::default().http_client().unwrap().build().unwrap();
     }
 
     #[test]
