@@ -36,11 +36,18 @@ impl Backoff {
     }
 
     pub async fn sleep(&mut self, token: &CancellationToken) {
+        let delay = self.next_delay();
         tokio::select! {
-            _ = tokio::time::sleep(self.next) => {}
+            _ = tokio::time::sleep(delay) => {}
             _ = token.cancelled() => {}
         }
+    }
+
+    /// The delay to wait now; the next one doubles (up to 5 s).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
         self.next = (self.next * 2).min(Duration::from_secs(5));
+        delay
     }
 }
 

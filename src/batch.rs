@@ -11,8 +11,9 @@ use lapin::types::FieldTable;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{self, BrokerError, Publisher};
-use crate::config::Secret;
+use crate::broker::{self, BrokerError, Endpoint};
+use crate::health::Health;
+use crate::publishing::PublishingConnection;
 
 /// A consumer on one queue plus a side channel of deliveries handed back for later
 /// (held timeouts).
@@ -100,38 +101,57 @@ impl BatchSource {
     }
 }
 
-/// What one consuming session holds: its connection, a confirm channel for the
-/// publishes its work needs, and the batch source. Opening and closing it is the
-/// same for every consumer; only the handling of a batch differs.
+/// What one consuming session holds: a consuming connection with the batch source,
+/// and a separate publishing connection for the publishes its work needs (so that a
+/// broker alarm, which blocks publishing connections, never stops its
+/// acknowledgements). Opening and closing it is the same for every consumer; only the
+/// handling of a batch differs.
 pub struct ConsumerSession {
     conn: lapin::Connection,
-    pub publisher: Publisher,
+    pub publishing: PublishingConnection,
     pub source: BatchSource,
 }
 
 impl ConsumerSession {
-    /// Connects as `connection_name` and starts consuming `queue`.
+    /// Connects twice — `lapse <role> consume <prefix>` and `lapse <role> publish
+    /// <prefix>` (the names shown in the management UI) — and starts consuming `queue`.
+    /// `component` names the component on `/health`.
     pub async fn open(
-        broker_url: &Secret,
-        connection_name: &str,
+        endpoint: &Endpoint,
+        role: &str,
+        prefix: &str,
+        component: &'static str,
+        health: &Health,
         queue: &str,
         prefetch: u16,
     ) -> Result<Self, BrokerError> {
-        let conn = broker::connect(broker_url, connection_name).await?;
-        let publisher = Publisher::new(&conn).await?;
-        let source = BatchSource::open(&conn, queue, prefetch).await?;
+        let publish_name = format!("lapse {role} publish {prefix}");
+        let publishing =
+            PublishingConnection::open(endpoint, &publish_name, component, health).await?;
+        let conn = endpoint
+            .connect(&format!("lapse {role} consume {prefix}"))
+            .await?;
+        let source = match BatchSource::open(&conn, queue, prefetch).await {
+            Ok(source) => source,
+            Err(e) => {
+                publishing.close().await;
+                broker::close_quietly(&conn, "consumer failed to start").await;
+                return Err(e);
+            }
+        };
         tracing::info!(%queue, prefetch, "consuming");
         Ok(Self {
             conn,
-            publisher,
+            publishing,
             source,
         })
     }
 
-    /// Stops consuming and closes the connection; unacknowledged deliveries return
+    /// Stops consuming and closes both connections; unacknowledged deliveries return
     /// to the queue.
     pub async fn close(self) {
         self.source.close().await;
         broker::close_quietly(&self.conn, "consumer stopping").await;
+        self.publishing.close().await;
     }
 }

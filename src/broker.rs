@@ -2,27 +2,46 @@
 //! reading the broker's error replies, and publishing with confirms.
 //!
 //! Invariant: a publish counts only once the broker confirmed it (`ack`) AND routed
-//! it to a queue; a nack, a `reject-publish` overflow or a lost channel is an error
-//! the caller retries. Every publish is `mandatory`: when no queue is bound for it
-//! (a queue deleted by an operator) the broker returns the message with the confirm,
-//! and the publish is [`BrokerError::Unroutable`], never delivered. (An exchange with
-//! an alternate exchange, like `<P>.delay`, routes such a message there instead.)
+//! it to a queue; a nack, a `reject-publish` overflow, a lost channel or a confirm
+//! that does not arrive within `broker.confirm_timeout` is an error the caller
+//! retries. Every publish is `mandatory`: when no queue is bound for it (a queue
+//! deleted by an operator) the broker returns the message with the confirm, and the
+//! publish is [`BrokerError::Unroutable`], never delivered. (An exchange with an
+//! alternate exchange, like `<P>.delay`, routes such a message there instead.)
+//! `amqps://` always means TLS with a verified server certificate (see [`crate::tls`]).
 
+use std::future::Future;
 use std::time::Duration;
 
 use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+    DefaultConnectionBuilder, ErrorKind,
+};
+use tokio::time::Instant;
 
-use crate::config::Secret;
+use crate::config::{BrokerConfig, Secret};
+use crate::tls::{self, TlsError, TlsFiles};
 use crate::topology::{ArgValue, Arguments};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
     #[error("cannot connect to the broker: {0}")]
     Connect(#[source] lapin::Error),
+    #[error(
+        "cannot connect to the broker: TLS certificate verification failed ({detail}); \
+         if the broker's certificate is signed by a private CA, set broker.tls.ca_file"
+    )]
+    CertificateRejected { detail: String },
+    #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
+    ConfirmTimeout { after: Duration },
+    #[error("the broker blocks publishing on this connection: {reason}")]
+    Blocked { reason: String },
+    #[error("publishing is unavailable: {reason}")]
+    Unavailable { reason: String },
     #[error("broker operation `{op}` failed: {source}")]
     Amqp {
         op: &'static str,
@@ -72,12 +91,79 @@ impl crate::backoff::SessionError for BrokerError {
     }
 }
 
-/// Opens a connection named `name` (shown in the management UI).
+
+/// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How lapse reaches the broker: the URL, the TLS material for `amqps://` and the
+/// confirm timeout of its publishers.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub url: Secret,
+    pub tls: TlsFiles,
+    pub confirm_timeout: Duration,
+}
+
+impl Endpoint {
+    /// `url` with the system's root certificates and the default confirm timeout.
+    pub fn new(url: Secret) -> Self {
+        Self {
+            url,
+            tls: TlsFiles::default(),
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+        }
+    }
+
+    /// The `[broker]` section: URL, `tls.*` files (read now) and `confirm_timeout`.
+    pub fn from_config(broker: &BrokerConfig) -> Result<Self, TlsError> {
+        let t = &broker.tls;
+        Ok(Self {
+            url: broker.url.clone(),
+            tls: TlsFiles::load(
+                t.ca_file.as_deref(),
+                t.cert_file.as_deref(),
+                t.key_file.as_deref(),
+            )?,
+            confirm_timeout: broker.confirm_timeout,
+        })
+    }
+
+    /// Opens a connection named `name` (shown in the management UI).
+    pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        DefaultConnectionBuilder::new()
+            .map_err(BrokerError::Connect)?
+            .with_uri_str(self.url.expose().to_string())
+            .with_properties(properties)
+            .with_tls_config(self.tls.amqp())
+            .connect()
+            .await
+            .map_err(connect_error)
+    }
+
+    /// A confirm channel on `conn` that waits at most `confirm_timeout` per publish.
+    pub async fn publisher(&self, conn: &Connection) -> Result<Publisher, BrokerError> {
+        Ok(Publisher::new(conn)
+            .await?
+            .with_confirm_timeout(self.confirm_timeout))
+    }
+}
+
+/// A rejected server certificate gets its own error, saying what to configure.
+fn connect_error(err: lapin::Error) -> BrokerError {
+    if let ErrorKind::IOError(io) = err.kind()
+        && tls::is_certificate_error(io.as_ref())
+    {
+        return BrokerError::CertificateRejected {
+            detail: io.to_string(),
+        };
+    }
+    BrokerError::Connect(err)
+}
+
+/// Opens a connection named `name` to `url` (system roots for `amqps://`).
 pub async fn connect(url: &Secret, name: &str) -> Result<Connection, BrokerError> {
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url.expose(), properties)
-        .await
-        .map_err(BrokerError::Connect)
+    Endpoint::new(url.clone()).connect(name).await
 }
 
 /// Like [`connect`], retrying with back-off until `give_up` has passed.
@@ -135,10 +221,27 @@ pub fn not_found(err: &lapin::Error) -> bool {
     matches!(soft_error(err), Some((AMQPSoftError::NOTFOUND, _)))
 }
 
+/// Waits for one step of a publish — handing its frames to the connection, or the
+/// broker's confirm — until `deadline`. A publish not confirmed by then counts as not
+/// delivered; the caller retries it, on a fresh channel (this one's state is unknown:
+/// the frames may still go out later, which at worst makes a duplicate).
+async fn by_deadline<T>(
+    deadline: Instant,
+    after: Duration,
+    op: &'static str,
+    step: impl Future<Output = lapin::Result<T>>,
+) -> Result<T, BrokerError> {
+    match tokio::time::timeout_at(deadline, step).await {
+        Ok(result) => result.map_err(BrokerError::amqp(op)),
+        Err(_) => Err(BrokerError::ConfirmTimeout { after }),
+    }
+}
+
 /// A channel in confirm mode.
 #[derive(Clone)]
 pub struct Publisher {
     channel: Channel,
+    confirm_timeout: Duration,
 }
 
 impl Publisher {
@@ -151,7 +254,16 @@ impl Publisher {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(BrokerError::amqp("confirm.select"))?;
-        Ok(Self { channel })
+        Ok(Self {
+            channel,
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+        })
+    }
+
+    /// How long each publish may wait for its confirm (`broker.confirm_timeout`).
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
     }
 
     pub fn channel(&self) -> &Channel {
@@ -162,7 +274,8 @@ impl Publisher {
         self.channel.status().connected()
     }
 
-    /// Publishes (mandatory) and waits for the broker's confirm.
+    /// Publishes (mandatory) and waits (at most the confirm timeout) for the broker's
+    /// confirm.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -170,19 +283,16 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), BrokerError> {
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                MANDATORY,
-                body,
-                properties,
-            )
-            .await
-            .map_err(BrokerError::amqp("basic.publish"))?
-            .await
-            .map_err(BrokerError::amqp("confirm"))?;
+        let deadline = Instant::now() + self.confirm_timeout;
+        let sent = self.channel.basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            MANDATORY,
+            body,
+            properties,
+        );
+        let sent = by_deadline(deadline, self.confirm_timeout, "basic.publish", sent).await?;
+        let confirm = by_deadline(deadline, self.confirm_timeout, "confirm", sent).await?;
         let (result, returned) = outcome(exchange, routing_key, confirm);
         match returned {
             Some(_) => Err(BrokerError::Unroutable {
@@ -194,24 +304,32 @@ impl Publisher {
     }
 
     /// Publishes many messages (mandatory), pipelining their confirms; the result of
-    /// each in order.
+    /// each in order. All of them share one confirm timeout, counted from the call.
     pub async fn publish_all(
         &self,
         messages: Vec<(String, String, Vec<u8>, BasicProperties)>,
     ) -> Vec<Result<(), BrokerError>> {
+        let (after, deadline) = (self.confirm_timeout, Instant::now() + self.confirm_timeout);
         let mut pending = Vec::with_capacity(messages.len());
         for (exchange, routing_key, body, properties) in messages {
-            let sent = self
-                .channel
-                .basic_publish(
-                    exchange.as_str().into(),
-                    routing_key.as_str().into(),
-                    MANDATORY,
-                    &body,
-                    properties,
-                )
-                .await
-                .map_err(BrokerError::amqp("basic.publish"));
+            if Instant::now() >= deadline {
+                // Out of time: do not hand more frames to a connection that is stuck.
+                pending.push((
+                    exchange,
+                    routing_key,
+                    body,
+                    Err(BrokerError::ConfirmTimeout { after }),
+                ));
+                continue;
+            }
+            let sent = self.channel.basic_publish(
+                exchange.as_str().into(),
+                routing_key.as_str().into(),
+                MANDATORY,
+                &body,
+                properties,
+            );
+            let sent = by_deadline(deadline, after, "basic.publish", sent).await;
             pending.push((exchange, routing_key, body, sent));
         }
         let mut results = Vec::with_capacity(pending.len());
@@ -220,8 +338,8 @@ impl Publisher {
         for (exchange, routing_key, body, confirm) in pending {
             let result = match confirm {
                 Err(e) => Err(e),
-                Ok(confirm) => match confirm.await {
-                    Err(e) => Err(BrokerError::amqp("confirm")(e)),
+                Ok(confirm) => match by_deadline(deadline, after, "confirm", confirm).await {
+                    Err(e) => Err(e),
                     Ok(c) => {
                         let (result, message) = outcome(&exchange, &routing_key, c);
                         returned.extend(message);

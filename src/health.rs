@@ -10,6 +10,10 @@
 //!   limit without progress is *stalled*: an await that never returns (a hung
 //!   connection, a lock nobody releases). Restarting the process is the only cure a
 //!   process cannot apply to itself, so `/livez` fails and a supervisor restarts it.
+//!
+//! A broker alarm blocking a component's publishing connection is shown
+//! (`broker_blocked`, the broker's reason) but does not make it down: restarting lapse
+//! would not clear the broker's alarm.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -30,6 +34,9 @@ pub struct ComponentState {
     pub busy_ms: Option<u64>,
     /// True when `busy_ms` is over the stall limit.
     pub stalled: bool,
+    /// Set while the broker blocks this component's publishing connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_blocked: Option<String>,
 }
 
 #[derive(Default)]
@@ -38,6 +45,7 @@ struct Entry {
     last_error: Option<String>,
     restarts: u32,
     busy_since: Option<Instant>,
+    broker_blocked: Option<String>,
 }
 
 /// Shared health of all components; cheap to clone.
@@ -94,6 +102,12 @@ impl Health {
         state.busy_since = None;
     }
 
+    /// Records that the broker blocks (`Some(reason)`) or no longer blocks (`None`)
+    /// the publishing connection of `component`.
+    pub fn blocked(&self, component: &'static str, reason: Option<String>) {
+        self.lock().entry(component).or_default().broker_blocked = reason;
+    }
+
     /// Starts a unit of work of `component`; it ends when the guard is dropped.
     pub fn busy(&self, component: &'static str) -> Busy {
         self.lock().entry(component).or_default().busy_since = Some(Instant::now());
@@ -121,6 +135,7 @@ impl Health {
                     restarts: e.restarts,
                     busy_ms: busy.map(|b| u64::try_from(b.as_millis()).unwrap_or(u64::MAX)),
                     stalled: busy.is_some_and(|b| b > self.stall_limit),
+                    broker_blocked: e.broker_blocked.clone(),
                 };
                 (*name, state)
             })

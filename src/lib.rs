@@ -8,7 +8,10 @@
 //! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its validation.
 //! - [`tier`]: delay tiers and the rule that picks the next hop for a deadline.
 //! - [`topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
-//! - [`broker`]: AMQP connections, argument tables, publishing with confirms.
+//! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
+//! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
+//! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
 //! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
 //! - [`deadline`]: what a deadline may be (range, rounding up, checked durations).
@@ -45,9 +48,11 @@ pub mod http;
 pub mod management;
 pub mod message;
 pub mod orders;
+pub mod publishing;
 pub mod rate;
 pub mod reconciler;
 pub mod redact;
+pub mod redelivery;
 pub mod relay;
 pub mod releaser;
 pub mod service;
@@ -58,5 +63,6 @@ pub mod supervisor;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
+pub mod tls;
 pub mod topology;
 pub mod worker;

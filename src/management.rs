@@ -2,12 +2,14 @@
 //! queue listings, stored arguments, policies, bindings and feature flags.
 //!
 //! Invariant: credentials from the URL go into the Authorization header only and
-//! never into messages or logs.
+//! never into messages or logs. An `https://` URL is verified like `amqps://` (system
+//! roots plus `broker.tls.ca_file`, see [`crate::tls`]); there is no way to skip it.
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::config::Secret;
+use crate::tls::TlsFiles;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManagementError {
@@ -66,7 +68,13 @@ pub struct BindingInfo {
 }
 
 impl Management {
+    /// A client for `url`; `https://` is verified against the system roots.
     pub fn new(url: &Secret) -> Result<Self, ManagementError> {
+        Self::with_tls(url, &TlsFiles::default())
+    }
+
+    /// A client for `url` that trusts (and presents) what `tls` holds.
+    pub fn with_tls(url: &Secret, tls: &TlsFiles) -> Result<Self, ManagementError> {
         let mut base = url::Url::parse(url.expose()).map_err(|e| ManagementError::Request {
             path: "(base URL)".into(),
             message: e.to_string(),
@@ -78,7 +86,13 @@ impl Management {
         let password = percent_decode(base.password().unwrap_or("guest"));
         let _ = base.set_username("");
         let _ = base.set_password(None);
-        let http = reqwest::Client::builder()
+        let client_error = |message: String| ManagementError::Request {
+            path: "(client)".into(),
+            message,
+        };
+        let http = tls
+            .http_client()
+            .map_err(|e| client_error(e.to_string()))?
             .timeout(std::time::Duration::from_secs(10))
             .build()
             .map_err(|e| ManagementError::Request {
@@ -127,7 +141,7 @@ impl Management {
         }
         let response = request.send().await.map_err(|e| ManagementError::Request {
             path: shown.clone(),
-            message: e.without_url().to_string(),
+            message: describe(e),
         })?;
         Ok((response, shown))
     }
@@ -199,6 +213,30 @@ impl Management {
             .await?
             .unwrap_or_default())
     }
+}
+
+/// The error and its causes (reqwest's own text hides the TLS reason), without the URL.
+fn describe(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    if crate::tls::is_certificate_error(&e) {
+        return format!(
+            "TLS certificate verification failed ({}); if the broker's certificate is signed \
+             by a private CA, set broker.tls.ca_file",
+            chain(&e)
+        );
+    }
+    chain(&e)
+}
+
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
 }
 
 fn percent_decode(s: &str) -> String {

@@ -25,10 +25,11 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::broker::{self, BrokerError, Publisher};
+use crate::broker::{self, BrokerError, Endpoint, Publisher};
 use crate::config::{Config, Secret};
 use crate::db::{self, DbError};
 use crate::health::Health;
+use crate::publishing::BlockedWatch;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
 use crate::tier::TierSet;
@@ -191,7 +192,7 @@ impl Relay {
     /// Runs rounds until `token` is cancelled, reconnecting to the broker as needed.
     pub async fn run(
         self,
-        broker_url: Secret,
+        broker: Endpoint,
         db_url: Secret,
         poll: Duration,
         health: Health,
@@ -201,7 +202,7 @@ impl Relay {
         // Stops with `token`: the supervisor cancels it when this instance ends.
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
         let result = crate::backoff::reconnecting("relay", &health, &token, || {
-            self.session(&broker_url, &wake, poll, &health, &token)
+            self.session(&broker, &wake, poll, &health, &token)
         })
         .await;
         listener.abort();
@@ -213,7 +214,7 @@ impl Relay {
     /// when cancelled.
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
         wake: &Notify,
         poll: Duration,
         health: &Health,
@@ -221,8 +222,9 @@ impl Relay {
     ) -> Result<(), BrokerError> {
         let name = format!("lapse relay {}", self.names.prefix);
         let busy = health.busy("relay");
-        let conn = broker::connect(broker_url, &name).await?;
-        let publisher = Publisher::new(&conn).await?;
+        let conn = broker.connect(&name).await?;
+        let _blocked = BlockedWatch::start(&conn, &name, "relay", health);
+        let publisher = broker.publisher(&conn).await?;
         drop(busy);
         let mut backoff = Backoff::new();
         let result = loop {
@@ -232,6 +234,12 @@ impl Relay {
             // Notice a dropped connection while idle, not only at the next publish.
             if !publisher.is_usable() {
                 break Err(BrokerError::ConnectionLost);
+            }
+            // A broker alarm blocks this connection: wait it out rather than publish into
+            // it (a publish that gets stuck anyway ends in a confirm timeout; its rows stay).
+            if conn.status().blocked() {
+                backoff.sleep(token).await;
+                continue;
             }
             let busy = health.busy("relay");
             let round = self.run_once(&publisher).await;

@@ -22,11 +22,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::batch::ConsumerSession;
-use crate::broker::{BrokerError, Publisher};
-use crate::config::Secret;
+use crate::broker::{BrokerError, Endpoint};
 use crate::db::DbError;
 use crate::health::{Busy, Health};
 use crate::message::parked_properties;
+use crate::publishing::PublishingConnection;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
 use crate::topology::Names;
@@ -103,26 +103,34 @@ impl Releaser {
     /// Consumes until `token` is cancelled, reconnecting with back-off.
     pub async fn run(
         self,
-        broker_url: Secret,
+        broker: Endpoint,
         health: Health,
         token: CancellationToken,
     ) -> Result<(), Fatal> {
         crate::backoff::reconnecting("releaser", &health, &token, || {
-            self.session(&broker_url, &health, &token)
+            self.session(&broker, &health, &token)
         })
         .await
     }
 
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let name = format!("lapse releaser {}", self.names.prefix);
         let queue = self.names.stock_release_queue();
         let busy = health.busy("releaser");
-        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        let mut session = ConsumerSession::open(
+            broker,
+            "releaser",
+            &self.names.prefix,
+            "releaser",
+            health,
+            &queue,
+            self.prefetch,
+        )
+        .await?;
         drop(busy);
         let result = loop {
             match session
@@ -132,7 +140,7 @@ impl Releaser {
             {
                 Ok(Some(batch)) => {
                     let busy = health.busy("releaser");
-                    if let Err(e) = self.process(batch, &session.publisher, token, &busy).await {
+                    if let Err(e) = self.process(batch, &mut session.publishing, token, &busy).await {
                         break Err(e);
                     }
                 }
@@ -153,7 +161,7 @@ impl Releaser {
     async fn process(
         &self,
         batch: Vec<Delivery>,
-        publisher: &Publisher,
+        publishing: &mut PublishingConnection,
         token: &CancellationToken,
         busy: &Busy,
     ) -> Result<(), BrokerError> {
@@ -167,7 +175,7 @@ impl Releaser {
                 }),
                 Err(e) => {
                     let reason = format!("not a stock-release event: {e}");
-                    self.park(publisher, &delivery, &reason).await?;
+                    self.park(publishing, &delivery, &reason).await?;
                 }
             }
         }
@@ -226,7 +234,7 @@ impl Releaser {
                             one.failures,
                             e.detail()
                         );
-                        self.park(publisher, &one.delivery, &reason).await?;
+                        self.park(publishing, &one.delivery, &reason).await?;
                     }
                 }
             }
@@ -236,13 +244,13 @@ impl Releaser {
 
     async fn park(
         &self,
-        publisher: &Publisher,
+        publishing: &mut PublishingConnection,
         delivery: &Delivery,
         reason: &str,
     ) -> Result<(), BrokerError> {
         tracing::warn!(%reason, "releaser: parking a message");
         let properties = parked_properties(&delivery.properties, reason);
-        publisher
+        publishing
             .publish(&self.names.parked(), "", &delivery.data, properties)
             .await?;
         self.ack(delivery).await?;

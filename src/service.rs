@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use crate::broker::Endpoint;
 use crate::config::Config;
 use crate::db::{self, DbError};
 use crate::health::Health;
@@ -30,6 +31,8 @@ pub enum ServiceError {
     Db(#[from] DbError),
     #[error("invalid configuration: {0}")]
     Config(#[from] crate::config::ConfigError),
+    #[error("invalid configuration: broker.tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 pub struct Service {
@@ -66,12 +69,17 @@ impl Service {
                 .await?;
         }
         let tiers = config.tier_file()?.tiers;
+        // The worker's connections carry the AMQP heartbeat, so that the broker takes
+        // back a frozen worker's deliveries.
+        let broker = Endpoint {
+            url: config.broker.url_with_heartbeat(),
+            ..Endpoint::from_config(&config.broker)?
+        };
         let w = &config.worker;
         let pool = || db::pool(&config.database, config.database.pool_size);
         let health = Health::new(w.stall_limit);
         let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());
         let limiter = RateLimiter::new(w.closes_per_second);
-        let broker_url = config.broker.url_with_heartbeat();
         if w.consumer {
             let consumer = Consumer::new(
                 config,
@@ -80,7 +88,7 @@ impl Service {
                 stats.clone(),
                 limiter.clone(),
             );
-            let (url, h) = (broker_url.clone(), health.clone());
+            let (url, h) = (broker.clone(), health.clone());
             supervisor.add(
                 "consumer",
                 Box::new(move |t| boxed(consumer.clone().run(url.clone(), h.clone(), t))),
@@ -89,7 +97,7 @@ impl Service {
         if w.relay {
             let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
             let (url, db_url, poll, h) = (
-                broker_url.clone(),
+                broker.clone(),
                 config.database.url.clone(),
                 config.relay.poll_interval,
                 health.clone(),
@@ -114,7 +122,7 @@ impl Service {
                 batch_size: w.batch_size.min(usize::from(w.prefetch)),
                 batch_window: w.batch_window,
             };
-            let (url, h) = (broker_url.clone(), health.clone());
+            let (url, h) = (broker.clone(), health.clone());
             supervisor.add(
                 "releaser",
                 Box::new(move |t| boxed(releaser.clone().run(url.clone(), h.clone(), t))),

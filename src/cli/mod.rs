@@ -88,7 +88,9 @@ pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
 
 async fn status(config: &Config, json: bool) -> anyhow::Result<ExitStatus> {
     let topology = crate::topology::Topology::new(&config.names(), &config.tier_file()?);
-    let conn = crate::broker::connect(&config.broker.url, "lapse status").await?;
+    let conn = crate::broker::Endpoint::from_config(&config.broker)?
+        .connect("lapse status")
+        .await?;
     let pool = crate::db::pool(&config.database, 1)?;
     let client = pool.get().await?;
     let status = crate::status::collect(&conn, &**client, &topology).await?;

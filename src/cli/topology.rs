@@ -35,11 +35,12 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
     let names = config.names();
     let topology = Topology::new(&names, &config.tier_file()?);
     let vhost = broker::vhost(&config.broker.url);
+    let endpoint = broker::Endpoint::from_config(&config.broker)?;
     let management = config
         .broker
         .management_url
         .as_ref()
-        .map(Management::new)
+        .map(|url| Management::with_tls(url, &endpoint.tls))
         .transpose()?;
     match command {
         TopologyCommand::Plan { json } => {
@@ -51,7 +52,7 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             Ok(ExitStatus::Ok)
         }
         TopologyCommand::Apply { prune, json } => {
-            let conn = broker::connect(&config.broker.url, "lapse topology").await?;
+            let conn = endpoint.connect("lapse topology").await?;
             let report = topology::apply(&conn, &topology).await?;
             let pruned = if prune {
                 let m = management
@@ -78,7 +79,7 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             })
         }
         TopologyCommand::Verify { json } => {
-            let conn = broker::connect(&config.broker.url, "lapse topology").await?;
+            let conn = endpoint.connect("lapse topology").await?;
             let report = topology::verify(&conn, management.as_ref(), &vhost, &topology).await?;
             let _ = conn.close(200, "done".into()).await;
             if json {

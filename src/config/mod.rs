@@ -81,6 +81,26 @@ pub struct BrokerConfig {
     /// after about two missed heartbeats.
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
+    /// How long a publish may wait for the broker's confirm before it counts as not
+    /// delivered (and is retried on a fresh channel).
+    #[serde(with = "humantime_serde")]
+    pub confirm_timeout: Duration,
+    /// TLS for `amqps://` and `https://` broker URLs.
+    #[serde(default)]
+    pub tls: BrokerTlsConfig,
+}
+
+/// Certificates for `amqps://` (and an `https://` management URL). The server's
+/// certificate is always verified: against the system roots plus `ca_file`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BrokerTlsConfig {
+    /// Extra CA certificate(s) (PEM) to trust, e.g. a private CA that signed the broker's.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM), for brokers that ask for one; needs `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM); needs `cert_file`.
+    pub key_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -207,6 +227,8 @@ impl Default for Config {
                 management_url: None,
                 prefix: "lapse".into(),
                 heartbeat: Duration::from_secs(10),
+                confirm_timeout: Duration::from_secs(15),
+                tls: BrokerTlsConfig::default(),
             },
             database: DatabaseConfig {
                 url: Secret::new("postgres://postgres@127.0.0.1:5432/lapse"),
@@ -278,20 +300,7 @@ impl Config {
 
     /// Checks what the types cannot: URLs, the prefix, the tier file, ranges.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let amqp = lapin::uri::AMQPUri::from_str(self.broker.url.expose())
-            .map_err(|_| ConfigError::new("broker.url", "not a valid amqp:// or amqps:// URL"))?;
-        let _ = amqp;
-        if let Some(mgmt) = &self.broker.management_url {
-            let url = url::Url::parse(mgmt.expose()).map_err(|e| {
-                ConfigError::new("broker.management_url", format!("not a valid URL ({e})"))
-            })?;
-            if !matches!(url.scheme(), "http" | "https") {
-                return Err(ConfigError::new(
-                    "broker.management_url",
-                    "must be an http:// or https:// URL",
-                ));
-            }
-        }
+        broker::validate(&self.broker)?;
         validate_prefix(&self.broker.prefix)?;
         tokio_postgres::Config::from_str(self.database.url.expose()).map_err(|_| {
             ConfigError::new(
@@ -426,6 +435,8 @@ fn without_source_lines(message: &str) -> String {
 }
 
 mod timing;
+
+mod broker;
 
 #[cfg(test)]
 mod tests;

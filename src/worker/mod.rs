@@ -5,7 +5,12 @@
 //! Invariants: a delivery is acknowledged only after its database transaction
 //! committed and any publish it needed was confirmed; a crash anywhere before that
 //! leaves it unacknowledged, so the broker redelivers it and the guarded close makes
-//! the repeat harmless.
+//! the repeat harmless. A publish that fails (refused by a full tier, no confirm
+//! within the timeout, publishing blocked by a broker alarm) never gives the delivery
+//! back to the broker — that would spend its delivery budget — : the worker keeps it
+//! and decides it again after a back-off, so a delivery that has meanwhile become due
+//! is closed instead of re-delayed. A publish the broker confirms but cannot route
+//! (its queue was deleted) is parked with the reason, never acknowledged away.
 
 mod decide;
 
@@ -16,16 +21,17 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::batch::{BatchSource, ConsumerSession};
-use crate::broker::{BrokerError, Publisher};
-use crate::config::{Config, Secret};
+use crate::broker::{BrokerError, Endpoint};
+use crate::config::Config;
 use crate::health::Health;
 use crate::message::{TimeoutMessage, parked_properties};
+use crate::publishing::PublishingConnection;
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
@@ -49,8 +55,9 @@ pub struct BatchReport {
     pub deliveries: usize,
     pub acked: usize,
     pub held: usize,
-    /// Publishes the broker refused; those deliveries were returned to the queue.
-    pub requeued: usize,
+    /// Deliveries whose publish failed; the worker keeps them and decides them again
+    /// after a back-off.
+    pub retrying: usize,
     /// Orders this batch closed (what the closes-per-second limit charges).
     pub closed: usize,
 }
@@ -89,12 +96,12 @@ impl Consumer {
     /// Consumes until `token` is cancelled, reconnecting with back-off.
     pub async fn run(
         self,
-        broker_url: Secret,
+        broker: Endpoint,
         health: Health,
         token: CancellationToken,
     ) -> Result<(), Fatal> {
         crate::backoff::reconnecting("consumer", &health, &token, || {
-            self.session(&broker_url, &health, &token)
+            self.session(&broker, &health, &token)
         })
         .await
     }
@@ -103,16 +110,24 @@ impl Consumer {
     /// liveness check; waiting for deliveries and rate limiting are not.
     async fn session(
         &self,
-        broker_url: &Secret,
+        broker: &Endpoint,
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let name = format!("lapse worker {}", self.names.prefix);
         let queue = self.names.due_queue();
         let busy = health.busy("consumer");
-        let mut session = ConsumerSession::open(broker_url, &name, &queue, self.prefetch).await?;
+        let mut session = ConsumerSession::open(
+            broker,
+            "worker",
+            &self.names.prefix,
+            "consumer",
+            health,
+            &queue,
+            self.prefetch,
+        )
+        .await?;
         drop(busy);
-        let mut refused = Backoff::new();
+        let mut retry = Backoff::new();
         let result = loop {
             let batch = match session
                 .source
@@ -125,7 +140,7 @@ impl Consumer {
             };
             let busy = health.busy("consumer");
             let report = self
-                .process(batch, &session.publisher, &session.source)
+                .process(batch, &mut session.publishing, &session.source, &mut retry)
                 .await;
             // Pay for the closes after the fact: the next batch waits, so a backlog
             // drains at the configured rate. Only closes count, not duplicates or stale ones.
@@ -133,24 +148,23 @@ impl Consumer {
                 busy.idle_while(self.limiter.acquire(report.closed)).await;
             }
             drop(busy);
-            match report {
-                // A full tier refused re-delays: slow down instead of spinning on redeliveries.
-                Ok(report) if report.requeued > 0 => refused.sleep(token).await,
-                Ok(_) => refused.reset(),
-                Err(e) => break Err(e),
+            if let Err(e) = report {
+                break Err(e);
             }
         };
         session.close().await;
         result
     }
 
-    /// Decides and carries out one batch.
+    /// Decides and carries out one batch. `retry` paces the deliveries kept after a
+    /// failed publish.
     #[tracing::instrument(skip_all, fields(size = batch.len()))]
     pub async fn process(
         &self,
         batch: Vec<Delivery>,
-        publisher: &Publisher,
+        publishing: &mut PublishingConnection,
         source: &BatchSource,
+        retry: &mut Backoff,
     ) -> Result<BatchReport, BrokerError> {
         let mut report = BatchReport {
             deliveries: batch.len(),
@@ -184,11 +198,7 @@ impl Consumer {
                     };
                     self.stats.record(outcome, 1);
                     report.held += 1;
-                    let back = source.return_to.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep_until(read_at + after).await;
-                        let _ = back.send(delivery);
-                    });
+                    hold(source, delivery, read_at + after);
                 }
                 Action::Publish {
                     route,
@@ -223,8 +233,10 @@ impl Consumer {
                 }
             }
         }
-        let results = publisher.publish_all(to_publish).await;
-        let mut broken = None;
+        let attempted = !to_publish.is_empty();
+        let results = publishing.publish_all(to_publish).await;
+        let mut failure = None;
+        let mut failed = Vec::new();
         let mut unroutable = Vec::new();
         for ((delivery, outcome), result) in waiting.into_iter().zip(results) {
             match result {
@@ -246,68 +258,60 @@ impl Consumer {
                     unroutable.push((copy, delivery));
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "worker: publish refused; returning the delivery to the queue");
-                    let _ = delivery
-                        .acker
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await;
-                    report.requeued += 1;
                     if matches!(e, BrokerError::Nacked { .. }) {
                         self.stats.record(Outcome::PublishRefused, 1);
-                    } else {
-                        broken = Some(e);
                     }
+                    failure.get_or_insert(e);
+                    failed.push(delivery);
                 }
             }
         }
-        if let Err(e) = self
-            .park_unroutable(unroutable, publisher, &mut report)
-            .await
-        {
-            broken.get_or_insert(e);
-        }
-        self.record_hops(hops).await;
-        report.closed = closed.len();
-        match broken {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
-    }
-
-    /// Parks deliveries whose publish no queue took, with the reason, then
-    /// acknowledges them; a delivery whose parked copy fails too goes back to the queue.
-    async fn park_unroutable(
-        &self,
-        parked: Vec<(PublishItem, Delivery)>,
-        publisher: &Publisher,
-        report: &mut BatchReport,
-    ) -> Result<(), BrokerError> {
-        if parked.is_empty() {
-            return Ok(());
-        }
-        let (copies, deliveries): (Vec<PublishItem>, Vec<Delivery>) = parked.into_iter().unzip();
-        let mut broken = None;
-        for (delivery, result) in deliveries.iter().zip(publisher.publish_all(copies).await) {
+        for (delivery, result) in self.park_unroutable(unroutable, publishing).await {
             match result {
                 Ok(()) => {
-                    ack(delivery).await?;
+                    ack(&delivery).await?;
                     self.stats.record(Outcome::Unroutable, 1);
                     report.acked += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "worker: parking failed; returning the delivery to the queue");
-                    requeue(delivery).await;
-                    report.requeued += 1;
-                    if !matches!(e, BrokerError::Nacked { .. }) {
-                        broken.get_or_insert(e);
-                    }
+                    failure.get_or_insert(e);
+                    failed.push(delivery);
                 }
             }
         }
-        broken.map_or(Ok(()), Err)
+        if let Some(e) = failure {
+            // Keep the deliveries (no nack: that would spend their delivery budget) and
+            // decide them again later: by then some may be due, or the tier may have room.
+            let delay = retry.next_delay();
+            tracing::warn!(error = %e, deliveries = failed.len(),
+                retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                "worker: publish failed; keeping the deliveries to decide again");
+            report.retrying = failed.len();
+            let until = tokio::time::Instant::now() + delay;
+            for delivery in failed {
+                hold(source, delivery, until);
+            }
+        } else if attempted {
+            retry.reset();
+        }
+        self.record_hops(hops).await;
+        report.closed = closed.len();
+        Ok(report)
+    }
+
+    /// Publishes the parked copies of deliveries whose publish no queue took; each
+    /// delivery with the result of its copy.
+    async fn park_unroutable(
+        &self,
+        parked: Vec<(PublishItem, Delivery)>,
+        publishing: &mut PublishingConnection,
+    ) -> Vec<(Delivery, Result<(), BrokerError>)> {
+        if parked.is_empty() {
+            return Vec::new();
+        }
+        let (copies, deliveries): (Vec<PublishItem>, Vec<Delivery>) = parked.into_iter().unzip();
+        let results = publishing.publish_all(copies).await;
+        deliveries.into_iter().zip(results).collect()
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.
@@ -332,14 +336,13 @@ impl Consumer {
 /// A publish: exchange, routing key, body, properties.
 type PublishItem = (String, String, Vec<u8>, BasicProperties);
 
-async fn requeue(delivery: &Delivery) {
-    let _ = delivery
-        .acker
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        })
-        .await;
+/// Keeps `delivery` unacknowledged and hands it back to the batch source at `until`.
+fn hold(source: &BatchSource, delivery: Delivery, until: tokio::time::Instant) {
+    let back = source.return_to.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep_until(until).await;
+        let _ = back.send(delivery);
+    });
 }
 
 async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {

@@ -16,7 +16,14 @@ pub(crate) fn free_port() -> u16 {
 }
 
 pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let response = reqwest::get(format!("http://127.0.0.1:{port}{path}"))
+    let client = lapse::tls::TlsFiles::default()
+        .http_client()
+        .unwrap()
+        .build()
+        .unwrap();
+    let response = client
+        .get(format!("http://127.0.0.1:{port}{path}"))
+        .send()
         .await
         .ok()?;
     let status = response.status().as_u16();

@@ -2,6 +2,7 @@
 //! unique broker name prefix (and, where it needs one, a fresh database) and cleans
 //! up after itself. Set `TEST_LOG=1` to see the library's logs.
 
+mod alarm;
 mod backlog;
 mod chain;
 mod cli_orders;
@@ -15,8 +16,11 @@ mod locks;
 mod outage;
 mod pipeline;
 mod private_pg;
+mod private_rabbit;
 mod publish_faults;
 mod queues;
+mod redelivery;
 mod release_repair;
 mod secrets;
+mod tls;
 mod topology;

@@ -1,0 +1,125 @@
+//! Validation of the `[broker]` section: URLs, TLS and the confirm timeout.
+//!
+//! Invariant: what lapse cannot honour is refused here, never silently dropped — a
+//! URL query parameter lapin would ignore (such as RabbitMQ's `verify` or
+//! `cacertfile`), TLS files next to a plain `amqp://` URL, a certificate without its
+//! key. Errors never echo a URL.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use super::{BrokerConfig, ConfigError};
+use crate::tls::TlsFiles;
+
+/// Query parameters of an AMQP URL that lapin reads; anything else would be ignored.
+const AMQP_QUERY_KEYS: [&str; 5] = [
+    "heartbeat",
+    "connection_timeout",
+    "channel_max",
+    "frame_max",
+    "auth_mechanism",
+];
+
+pub(super) fn validate(broker: &BrokerConfig) -> Result<(), ConfigError> {
+    let invalid = || ConfigError::new("broker.url", "not a valid amqp:// or amqps:// URL");
+    let amqp = lapin::uri::AMQPUri::from_str(broker.url.expose()).map_err(|_| invalid())?;
+    let parsed = url::Url::parse(broker.url.expose()).map_err(|_| invalid())?;
+    if let Some((key, _)) = parsed
+        .query_pairs()
+        .find(|(key, _)| !AMQP_QUERY_KEYS.contains(&key.as_ref()))
+    {
+        return Err(ConfigError::new(
+            "broker.url",
+            format!(
+                "query parameter `{key}` is not supported (lapse reads only {}); \
+                 TLS settings go in [broker.tls]",
+                AMQP_QUERY_KEYS.join(", ")
+            ),
+        ));
+    }
+    let tls = &broker.tls;
+    let tls_configured = tls.ca_file.is_some() || tls.cert_file.is_some() || tls.key_file.is_some();
+    if tls_configured && amqp.scheme == lapin::uri::AMQPScheme::AMQP {
+        return Err(ConfigError::new(
+            "broker.tls",
+            "is set, but broker.url is amqp:// (no TLS); use amqps://",
+        ));
+    }
+    TlsFiles::load(
+        tls.ca_file.as_deref(),
+        tls.cert_file.as_deref(),
+        tls.key_file.as_deref(),
+    )
+    .map_err(|e| ConfigError::new("broker.tls", e.to_string()))?;
+    if broker.confirm_timeout == Duration::ZERO {
+        return Err(ConfigError::new(
+            "broker.confirm_timeout",
+            "must be longer than 0s",
+        ));
+    }
+    if let Some(mgmt) = &broker.management_url {
+        let url = url::Url::parse(mgmt.expose()).map_err(|e| {
+            ConfigError::new("broker.management_url", format!("not a valid URL ({e})"))
+        })?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ConfigError::new(
+                "broker.management_url",
+                "must be an http:// or https:// URL",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, Secret};
+
+    fn broker(url: &str) -> BrokerConfig {
+        let mut b = Config::default().broker;
+        b.url = Secret::new(url);
+        b
+    }
+
+    #[test]
+    fn plain_and_tls_urls_without_files_are_fine() {
+        validate(&broker("amqp://u:secret@h:5672/%2f?heartbeat=10")).unwrap();
+        validate(&broker("amqps://u:secret@h:5671/%2f")).unwrap();
+    }
+
+    #[test]
+    fn a_query_parameter_lapse_would_ignore_is_refused_without_echoing_the_url() {
+        let err = validate(&broker("amqps://u:hunter2@h/%2f?verify=verify_none")).unwrap_err();
+        assert_eq!(err.key, "broker.url");
+        assert!(err.problem.contains("`verify`"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(!err.to_string().contains("verify_none"), "{err}");
+    }
+
+    #[test]
+    fn tls_files_with_a_plain_url_are_refused() {
+        let mut b = broker("amqp://u:hunter2@h/%2f");
+        b.tls.ca_file = Some("/nonexistent/ca.pem".into());
+        let err = validate(&b).unwrap_err();
+        assert_eq!(err.key, "broker.tls");
+        assert!(err.problem.contains("amqps://"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_ca_file_is_refused_naming_it() {
+        let mut b = broker("amqps://u:hunter2@h/%2f");
+        b.tls.ca_file = Some("/nonexistent/ca.pem".into());
+        let err = validate(&b).unwrap_err();
+        assert_eq!(err.key, "broker.tls");
+        assert!(err.problem.contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn a_zero_confirm_timeout_is_refused() {
+        let mut b = broker("amqp://h");
+        b.confirm_timeout = Duration::ZERO;
+        assert_eq!(validate(&b).unwrap_err().key, "broker.confirm_timeout");
+    }
+}
