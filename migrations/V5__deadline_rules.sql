@@ -8,6 +8,11 @@
 --   start of the caller's transaction; the close guard keeps now() (never early);
 -- * every refused payment of a real order is recorded once in late_payments.
 
+-- Never queue behind an application's long transaction while holding the orders
+-- table's exclusive lock (every create, pay and close would wait behind this
+-- migration): give up after a few seconds instead; `lapse migrate` can run again.
+SET LOCAL lock_timeout = '5s';
+
 -- Settings the SQL functions enforce on their own, so callers in any language get the
 -- same rules. Exactly one row; `lapse migrate` writes it from the configuration
 -- (orders.deadline_horizon).
@@ -114,14 +119,15 @@ BEGIN
     RETURN v_version;
 END $$;
 
--- One refund record per order: keep a processed record (refund other than PENDING)
--- over a pending one, then the earliest, and drop the repeats of retried calls.
+-- At most one PENDING refund record per order: the repeats of a retried call are one
+-- refund to make, not several. Records already processed (refund other than PENDING)
+-- are history and are never touched; of several PENDING ones, the earliest stays.
 DELETE FROM late_payments l
- USING (SELECT id, row_number() OVER (PARTITION BY order_id
-                                      ORDER BY (refund = 'PENDING'), id) AS n
-          FROM late_payments) d
+ USING (SELECT id, row_number() OVER (PARTITION BY order_id ORDER BY id) AS n
+          FROM late_payments WHERE refund = 'PENDING') d
  WHERE l.id = d.id AND d.n > 1;
-CREATE UNIQUE INDEX late_payments_one_per_order ON late_payments (order_id);
+CREATE UNIQUE INDEX late_payments_one_pending_per_order ON late_payments (order_id)
+    WHERE refund = 'PENDING';
 
 -- Pays an order. Returns one of:
 --   'PAID'         accepted: the order was UNPAID and its deadline had not passed
@@ -130,7 +136,7 @@ CREATE UNIQUE INDEX late_payments_one_per_order ON late_payments (order_id);
 --   'LATE'         refused: the order is CLOSED
 --   'NOT_FOUND'
 -- EXPIRED and LATE record the payment once in late_payments for a refund; a retried
--- call records nothing new. The deadline is judged by the real clock at the moment the
+-- call records nothing new while that refund is PENDING. The deadline is judged by the real clock at the moment the
 -- row lock is held, which is also paid_at: a payment inside a long transaction that
 -- began before the deadline is still refused after it.
 CREATE OR REPLACE FUNCTION lapse_pay_order(p_order_id bigint)
@@ -159,7 +165,7 @@ BEGIN
         RETURN 'PAID';
     END IF;
     INSERT INTO late_payments (order_id, received_at) VALUES (p_order_id, v_now)
-        ON CONFLICT (order_id) DO NOTHING;
+        ON CONFLICT (order_id) WHERE refund = 'PENDING' DO NOTHING;
     IF FOUND THEN
         INSERT INTO order_events (order_id, event)
         VALUES (p_order_id, CASE v_status WHEN 'CLOSED' THEN 'late_payment'

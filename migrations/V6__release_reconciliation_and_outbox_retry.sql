@@ -7,6 +7,10 @@
 --
 -- Orders closed before this migration are in the index until the first reconciler
 -- pass stamps them (a paced, one-time walk: no table rewrite here).
+-- As in V5: fail fast rather than hold the tables' exclusive lock behind a long
+-- application transaction.
+SET LOCAL lock_timeout = '5s';
+
 ALTER TABLE orders
     ADD COLUMN released_at         timestamptz,
     ADD COLUMN release_repairs     integer NOT NULL DEFAULT 0,

@@ -91,7 +91,6 @@ impl crate::backoff::SessionError for BrokerError {
     }
 }
 
-
 /// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 

@@ -59,7 +59,10 @@ impl Closed {
 
 /// Locks what it closes with `SKIP LOCKED`: a row someone else holds (an application
 /// inside `SELECT ... FOR UPDATE` around a slow payment call) is left alone and
-/// reported as locked, instead of making the whole batch wait for it.
+/// reported as locked, instead of making the whole batch wait for it. The lock is
+/// `FOR NO KEY UPDATE`, the one the UPDATE itself takes: it does not conflict with the
+/// key-share locks of inserts into tables that reference `orders`, so an application
+/// writing such a row (an audit entry, a shipment) does not defer the close.
 const CLOSE_SQL: &str = "
 WITH due AS (
     SELECT DISTINCT ON (id) id, v, hops
@@ -72,7 +75,7 @@ eligible AS (
 locked AS (
     SELECT o.id, d.hops FROM orders o JOIN due d ON o.id = d.id
      WHERE o.status = 'UNPAID' AND o.deadline_version = d.v AND o.expire_at <= now()
-       FOR UPDATE OF o SKIP LOCKED
+       FOR NO KEY UPDATE OF o SKIP LOCKED
 ),
 closed AS (
     UPDATE orders o

@@ -28,11 +28,13 @@ fn mask_url_passwords(text: &str) -> Cow<'_, str> {
     let mut search = 0;
     while let Some(found) = text[search..].find("://") {
         let authority_start = search + found + 3;
-        // The authority ends at the first '/', '?', '#', quote or white space; the
-        // credentials end at its LAST '@' (a password may itself contain '@').
+        // The credentials end at the LAST '@' before the next quote or white space: a
+        // password may itself hold '@', '/', '?' or '#' when it was not percent-encoded.
+        // (An '@' further on, in a path or query, masks more than the password: the safe
+        // side.)
         let rest = &text[authority_start..];
         let end = rest
-            .find(|c: char| matches!(c, '/' | '?' | '#' | '"' | '\'' | '`') || c.is_whitespace())
+            .find(|c: char| matches!(c, '"' | '\'' | '`') || c.is_whitespace())
             .unwrap_or(rest.len());
         let authority = &rest[..end];
         if let Some(at) = authority.rfind('@')
@@ -147,6 +149,10 @@ mod tests {
                 "found string \"postgres://u:***@x/y\", expected u16",
             ),
             ("amqps://u:p@ss:w@rd@h", "amqps://u:***@h"),
+            (
+                "found string \"postgres://u:ab#c/d?e@h/db\", expected u16",
+                "found string \"postgres://u:***@h/db\", expected u16",
+            ),
             (
                 "a http://a:1@h and https://b:2@k?x",
                 "a http://a:***@h and https://b:***@k?x",

@@ -140,7 +140,10 @@ impl Releaser {
             {
                 Ok(Some(batch)) => {
                     let busy = health.busy("releaser");
-                    if let Err(e) = self.process(batch, &mut session.publishing, token, &busy).await {
+                    if let Err(e) = self
+                        .process(batch, &mut session.publishing, token, &busy)
+                        .await
+                    {
                         break Err(e);
                     }
                 }

@@ -121,6 +121,10 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
             ("[broker]\nheartbeat = \"0s\"", "broker.heartbeat"),
             ("[broker]\nheartbeat = \"500ms\"", "broker.heartbeat"),
             ("[broker]\nheartbeat = \"1day\"", "broker.heartbeat"),
+            (
+                "[broker]\nurl = \"amqp://u:p@h:5672/%2f?heartbeat=0\"",
+                "broker.url",
+            ),
         ];
         for (text, key) in cases {
             jail.create_file("lapse.toml", text)?;

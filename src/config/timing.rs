@@ -34,11 +34,29 @@ impl Config {
             self.broker.heartbeat,
             Duration::from_secs(1),
             Some(Duration::from_secs(u16::MAX.into())),
-        )
+        )?;
+        self.broker.validate_url_heartbeat()
     }
 }
 
 impl BrokerConfig {
+    /// A `heartbeat` in the URL wins over `broker.heartbeat`, so it is held to the same
+    /// rule: `heartbeat=0` would switch off the bound on a frozen worker.
+    fn validate_url_heartbeat(&self) -> Result<(), ConfigError> {
+        use std::str::FromStr;
+        let Ok(uri) = lapin::uri::AMQPUri::from_str(self.url.expose()) else {
+            return Ok(()); // reported as an invalid URL by the caller's URL check
+        };
+        match uri.query.heartbeat {
+            Some(0) => Err(ConfigError::new(
+                "broker.url",
+                "heartbeat=0 in the URL switches heartbeats off (a frozen worker would keep its \
+                 deliveries until its TCP connection dies); remove it or set at least 1",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// `url` with `broker.heartbeat` as its `heartbeat` query parameter, unless the URL
     /// names one itself. Used by the worker's connections.
     pub fn url_with_heartbeat(&self) -> Secret {

@@ -185,3 +185,37 @@ async fn every_pooled_connection_has_a_statement_timeout() {
     drop(pool);
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_application_writing_a_row_that_references_the_order_does_not_defer_its_close() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    // An application's own table that references orders: inserting into it takes a
+    // key-share lock on the order's row for as long as its transaction lasts.
+    db.batch_execute("CREATE TABLE app_audit (order_id bigint NOT NULL REFERENCES orders (id))")
+        .await
+        .unwrap();
+    let id = create_orders(&mut db, &[Duration::from_secs(2)], &one_line()).await[0].0;
+    let holder = env.db().await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .execute("INSERT INTO app_audit (order_id) VALUES ($1)", &[&id])
+        .await
+        .unwrap();
+    let worker = env.start(&env.config()).await;
+    eventually(
+        Duration::from_secs(30),
+        "the order closed while the application's transaction is still open",
+        || async {
+            (count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    // The application's transaction was open the whole time, and still commits.
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_never_early(&db).await;
+    assert_eq!(times_closed(&db).await, 0, "closed once");
+    worker.stop().await;
+    env.cleanup().await;
+}

@@ -103,6 +103,16 @@ fn no_error_path_prints_a_password() {
             exit: 2,
         },
         Case {
+            name: "a password with unencoded '#', '/' and '?' given to a number key",
+            config: format!(
+                "{}\n[worker]\nprefetch = \"postgres://u:{PASSWORD}#/x?y@127.0.0.1/db\"\n",
+                local.toml()
+            ),
+            env: vec![],
+            args: &["topology", "plan"],
+            exit: 2,
+        },
+        Case {
             name: "a URL given to a number key by the environment",
             config: local.toml(),
             env: vec![("LAPSE_WORKER__BATCH_SIZE", local.broker.clone())],
