@@ -41,8 +41,8 @@ pub enum DbError {
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
-/// [`DbError::InvalidDeadline`], LP002 and P0001 into [`DbError::Refused`]; other
-/// errors pass through.
+/// [`DbError::InvalidDeadline`], LP002, LP003 and P0001 into [`DbError::Refused`];
+/// other errors pass through.
 pub fn refusal(e: tokio_postgres::Error) -> DbError {
     let Some(db) = e.as_db_error() else {
         return DbError::Postgres(e);
@@ -51,7 +51,9 @@ pub fn refusal(e: tokio_postgres::Error) -> DbError {
         crate::deadline::INVALID_DEADLINE_SQLSTATE => {
             DbError::InvalidDeadline(db.message().to_string())
         }
-        crate::deadline::NOT_LATER_SQLSTATE => DbError::Refused(db.message().to_string()),
+        crate::deadline::NOT_LATER_SQLSTATE | crate::deadline::UNREADABLE_DEADLINE_SQLSTATE => {
+            DbError::Refused(db.message().to_string())
+        }
         _ if *db.code() == tokio_postgres::error::SqlState::RAISE_EXCEPTION => {
             DbError::Refused(db.message().to_string())
         }
@@ -107,13 +109,16 @@ impl DbError {
 /// SQLSTATEs that describe the moment, not the work: connection exceptions (08),
 /// transaction rollbacks such as serialization failure and deadlock (40),
 /// insufficient resources (53), operator intervention such as a server shutting
-/// down or starting up (57P), system errors (58), `lock_not_available` (55P03) and
-/// `query_canceled` (57014, e.g. `statement_timeout`).
+/// down or starting up (57P), system errors (58), `lock_not_available` (55P03),
+/// `query_canceled` (57014, e.g. `statement_timeout`) and `read_only_sql_transaction`
+/// (25006: a standby, or a primary demoted during a failover, refuses writes until the
+/// pool reaches the new primary). The rest of class 25 describes the caller's own
+/// transaction (e.g. 25P02, a failed transaction), which a retry does not change.
 pub fn transient_sqlstate(code: &str) -> bool {
     ["08", "40", "53", "57P", "58"]
         .iter()
         .any(|class| code.starts_with(class))
-        || matches!(code, "55P03" | "57014")
+        || matches!(code, "55P03" | "57014" | "25006")
 }
 
 fn caused_by_io(e: &tokio_postgres::Error) -> bool {
@@ -281,11 +286,12 @@ mod tests {
     fn races_and_outages_are_transient_bad_data_is_not() {
         for code in [
             "40001", "40P01", "08006", "08001", "57P01", "57P03", "53300", "55P03", "57014",
+            "25006",
         ] {
             assert!(transient_sqlstate(code), "{code} should be transient");
         }
         for code in [
-            "23514", "23505", "22003", "22P02", "42P01", "P0001", "XX000",
+            "23514", "23505", "22003", "22P02", "42P01", "P0001", "XX000", "25P02",
         ] {
             assert!(!transient_sqlstate(code), "{code} should be permanent");
         }

@@ -15,6 +15,9 @@ use chrono::{DateTime, TimeDelta, Utc};
 pub const INVALID_DEADLINE_SQLSTATE: &str = "LP001";
 /// SQLSTATE raised by `lapse_extend_deadline` when the new deadline is not later.
 pub const NOT_LATER_SQLSTATE: &str = "LP002";
+/// SQLSTATE raised by `lapse_pay_order` for an order whose stored deadline lies outside
+/// the range lapse handles (a row older than the deadline rules): it cannot be updated.
+pub const UNREADABLE_DEADLINE_SQLSTATE: &str = "LP003";
 
 /// The earliest deadline lapse can carry: 1970-01-01T00:00:00Z.
 pub const EARLIEST_UNIX_SECONDS: i64 = 0;

@@ -162,10 +162,14 @@ pub enum PayOutcome {
     NotFound,
 }
 
+/// Pays an order. An order whose stored deadline lies outside the range lapse handles
+/// (a row older than the deadline rules) is refused with [`DbError::Refused`] (SQLSTATE
+/// LP003) and nothing changes.
 pub async fn pay<C: GenericClient>(client: &C, id: OrderId) -> Result<PayOutcome, DbError> {
     let row = client
         .query_one("SELECT lapse_pay_order($1)", &[&id.0])
-        .await?;
+        .await
+        .map_err(crate::db::refusal)?;
     let outcome: String = column(&row, 0)?;
     Ok(match outcome.as_str() {
         "PAID" => PayOutcome::Paid,

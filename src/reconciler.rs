@@ -13,19 +13,37 @@
 //! `stock.release` outbox row is still pending, a new one is written (the same
 //! payload as the close path's) and counted in `release_repairs`. Idempotent: the
 //! ledger's primary key makes a duplicate release a no-op. Bounded: an order is
-//! re-emitted at most [`MAX_REPAIRS`] times, at least `release_grace` apart, so a
-//! release that can never succeed (parked by the releaser for bad data) is not
-//! re-emitted forever. What it repairs is counted (`release_repaired`): it should be 0.
+//! re-emitted at most [`MAX_REPAIRS`] times, the n-th time only `release_grace * 2^(n-1)`
+//! after the previous one, so a releaser backlog that outlasts the grace period (an
+//! outage) is not multiplied by duplicates, and a release that can never succeed
+//! (parked by the releaser for bad data) is not re-emitted forever. What it repairs is
+//! counted (`release_repaired`): it should be 0.
+//!
+//! A row whose deadline lies outside the range lapse handles (written before the
+//! deadline rules existed) cannot be updated while `orders_expire_at_in_range` exists,
+//! even `NOT VALID`: it is skipped, counted and logged with its value, never allowed to
+//! fail the page (docs/operations.md says how to repair it).
+//!
+//! Paced: a pass handles at most [`PAGES_PER_PASS`] pages and continues where it
+//! stopped on the next pass ([`Cursor`]); it reports progress after each page, the pause
+//! between pages is idleness, not a stall, and shutdown ends it between pages. The first
+//! pass over a database with many historic unstamped orders is a long, paced walk.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::SweeperConfig;
-use crate::db::DbError;
+use crate::db::{DbError, column};
+use crate::deadline;
+use crate::health::Busy;
 use crate::stats::{Outcome, Stats};
 
 /// Re-emissions of one order's release before the reconciler leaves it to a person.
 pub const MAX_REPAIRS: i32 = 3;
+
+/// Pages one pass handles at most; the next pass continues after the last one.
+pub const PAGES_PER_PASS: usize = 20;
 
 /// What one reconciler pass did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -38,6 +56,17 @@ pub struct ReconcileReport {
     pub repaired: usize,
     /// Orders still unreleased after [`MAX_REPAIRS`] re-emissions.
     pub exhausted: usize,
+    /// Orders skipped because their deadline lies outside the range lapse handles.
+    pub unreadable: usize,
+    /// True when the pass stopped at [`PAGES_PER_PASS`] (or shutdown) before the end
+    /// of the index; the next pass continues from there.
+    pub more: bool,
+}
+
+/// Where the walk over the unreleased index stands between passes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    after: Option<(DateTime<Utc>, i64)>,
 }
 
 const STAMP_SQL: &str = "
@@ -46,6 +75,8 @@ UPDATE orders o SET released_at = clock_timestamp()
    AND (NOT EXISTS (SELECT 1 FROM order_lines l WHERE l.order_id = o.id)
         OR EXISTS (SELECT 1 FROM stock_ledger s WHERE s.order_id = o.id AND s.kind = 'release'))";
 
+/// The n-th re-emission waits `release_grace * 2^(n-1)` after the previous one (the
+/// exponent is capped so the interval stays finite whatever an operator writes).
 const REEMIT_SQL: &str = "
 WITH pending AS MATERIALIZED (
     -- One pass over the outbox per page, whatever the planner thinks of it.
@@ -57,7 +88,8 @@ lost AS (
      WHERE o.id = ANY($1) AND o.status = 'CLOSED' AND o.released_at IS NULL
        AND o.release_repairs < $2
        AND (o.release_repaired_at IS NULL
-            OR o.release_repaired_at < now() - $3::bigint * interval '1 millisecond')
+            OR o.release_repaired_at < now() - $3::bigint * interval '1 millisecond'
+                                          * power(2, least(greatest(o.release_repairs, 0), 20)))
        AND NOT EXISTS (SELECT 1 FROM stock_ledger s WHERE s.order_id = o.id AND s.kind = 'release')
        AND NOT EXISTS (SELECT 1 FROM pending p WHERE p.order_id = o.id)
     RETURNING o.id, o.release_repairs
@@ -80,53 +112,105 @@ const EXHAUSTED_SQL: &str = "
 SELECT count(*) FROM orders
  WHERE id = ANY($1) AND released_at IS NULL AND release_repairs >= $2";
 
-/// One reconciler pass over every unstamped CLOSED order past the grace period.
+/// One reconciler pass from the start of the index (at most [`PAGES_PER_PASS`] pages).
 pub async fn run_once(
     client: &mut deadpool_postgres::Client,
     config: &SweeperConfig,
     stats: &Stats,
 ) -> Result<ReconcileReport, DbError> {
+    let token = CancellationToken::new();
+    run_pass(client, config, stats, &mut Cursor::default(), None, &token).await
+}
+
+/// One reconciler pass: at most [`PAGES_PER_PASS`] pages from `cursor`, which is left
+/// where the next pass continues (back at the start once the index is walked). `busy`
+/// (when given) hears of progress after every page; `token` ends the pass between
+/// pages and cuts the pause short.
+pub async fn run_pass(
+    client: &mut deadpool_postgres::Client,
+    config: &SweeperConfig,
+    stats: &Stats,
+    cursor: &mut Cursor,
+    busy: Option<&Busy>,
+    token: &CancellationToken,
+) -> Result<ReconcileReport, DbError> {
     let mut report = ReconcileReport::default();
     let grace_ms = millis(config.release_grace);
-    let mut after: (Option<DateTime<Utc>>, i64) = (None, 0);
+    let mut unreadable = Vec::new();
+    let select = format!(
+        "SELECT id, closed_at, {} AS readable, expire_at::text AS raw FROM orders
+          WHERE status = 'CLOSED' AND released_at IS NULL
+            AND closed_at < now() - $1::bigint * interval '1 millisecond'
+            AND ($2::timestamptz IS NULL OR (closed_at, id) > ($2, $3))
+          ORDER BY closed_at, id
+          LIMIT $4",
+        deadline::in_range_sql("expire_at")
+    );
+    let mut pages = 0;
     loop {
+        if pages >= PAGES_PER_PASS || token.is_cancelled() {
+            report.more = true;
+            break;
+        }
+        pages += 1;
+        let (after_at, after_id) = cursor.after.map_or((None, 0), |(at, id)| (Some(at), id));
         let rows = client
             .query(
-                "SELECT id, closed_at FROM orders
-                  WHERE status = 'CLOSED' AND released_at IS NULL
-                    AND closed_at < now() - $1::bigint * interval '1 millisecond'
-                    AND ($2::timestamptz IS NULL OR (closed_at, id) > ($2, $3))
-                  ORDER BY closed_at, id
-                  LIMIT $4",
-                &[&grace_ms, &after.0, &after.1, &config.batch_size],
+                &select,
+                &[&grace_ms, &after_at, &after_id, &config.batch_size],
             )
             .await?;
-        let Some(last) = rows.last() else { break };
-        after = (Some(last.try_get(1)?), last.try_get(0)?);
-        let ids = rows
-            .iter()
-            .map(|r| r.try_get::<_, i64>(0))
-            .collect::<Result<Vec<i64>, _>>()?;
+        let Some(last) = rows.last() else {
+            *cursor = Cursor::default();
+            break;
+        };
+        cursor.after = Some((column(last, 1)?, column(last, 0)?));
+        let mut ids = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: i64 = column(row, 0)?;
+            if column::<bool>(row, 2)? {
+                ids.push(id);
+            } else {
+                let raw: String = column(row, 3).unwrap_or_else(|_| "?".into());
+                unreadable.push(format!("order {id} ({raw})"));
+            }
+        }
         let tx = client.transaction().await?;
         let stamped = tx.execute(STAMP_SQL, &[&ids]).await?;
-        let repaired: i64 = tx
-            .query_one(REEMIT_SQL, &[&ids, &MAX_REPAIRS, &grace_ms])
-            .await?
-            .try_get(0)?;
-        let exhausted: i64 = tx
-            .query_one(EXHAUSTED_SQL, &[&ids, &MAX_REPAIRS])
-            .await?
-            .try_get(0)?;
+        let repaired: i64 = column(
+            &tx.query_one(REEMIT_SQL, &[&ids, &MAX_REPAIRS, &grace_ms])
+                .await?,
+            0,
+        )?;
+        let exhausted: i64 = column(
+            &tx.query_one(EXHAUSTED_SQL, &[&ids, &MAX_REPAIRS]).await?,
+            0,
+        )?;
         tx.commit().await?;
         report.scanned += rows.len();
         report.stamped += usize::try_from(stamped).unwrap_or(usize::MAX);
         report.repaired += usize::try_from(repaired).unwrap_or(0);
         report.exhausted += usize::try_from(exhausted).unwrap_or(0);
+        if let Some(busy) = busy {
+            busy.progress();
+        }
         if i64::try_from(rows.len()).unwrap_or(i64::MAX) < config.batch_size {
+            *cursor = Cursor::default();
             break;
         }
-        tokio::time::sleep(config.pause).await;
+        // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
+        let pause = async {
+            tokio::select! {
+                _ = tokio::time::sleep(config.pause) => {}
+                _ = token.cancelled() => {}
+            }
+        };
+        match busy {
+            Some(busy) => busy.idle_while(pause).await,
+            None => pause.await,
+        }
     }
+    report.unreadable = unreadable.len();
     stats.record(
         Outcome::ReleaseRepaired,
         u64::try_from(report.repaired).unwrap_or(u64::MAX),
@@ -142,6 +226,13 @@ pub async fn run_once(
             orders = report.exhausted,
             max_repairs = MAX_REPAIRS,
             "closed orders are still unreleased after every re-emission: see <P>.parked for the reason"
+        );
+    }
+    if !unreadable.is_empty() {
+        tracing::error!(
+            orders = unreadable.len(),
+            first = %unreadable.iter().take(5).cloned().collect::<Vec<_>>().join("; "),
+            "reconciler skipped closed orders whose deadline lapse cannot handle (their row cannot be stamped); repair them (docs/operations.md)"
         );
     }
     Ok(report)

@@ -9,6 +9,8 @@
 //! rules existed) is skipped with a reason and counted; the sweep goes on.
 //! An order whose row another transaction holds locked is skipped (`SKIP LOCKED`
 //! in the close path) and left to the next sweep.
+//! Shutdown ends a sweep between batches and cuts its pauses and rate-limit waits
+//! short; each batch (and each reconciler page) is reported as progress.
 
 use std::time::Duration;
 
@@ -52,6 +54,9 @@ pub struct SweepReport {
     pub stuck_outbox: i64,
     /// Lost stock releases the reconciler emitted again (should be 0).
     pub releases_repaired: usize,
+    /// CLOSED orders the reconciler skipped because their deadline lies outside the
+    /// range lapse handles (their row cannot be stamped until repaired).
+    pub releases_unreadable: usize,
     /// Overdue orders skipped because their deadline cannot be decoded or lies outside
     /// the range lapse handles (written before the deadline rules existed).
     pub unreadable: usize,
@@ -75,12 +80,21 @@ fn sweepable(row: &tokio_postgres::Row) -> Result<Candidate, String> {
 }
 
 impl Sweeper {
+    /// One sweep and one reconciler pass from the start of its index.
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
-        self.sweep_once(None).await
+        let token = CancellationToken::new();
+        self.sweep_once(None, &token, &mut reconciler::Cursor::default())
+            .await
     }
 
-    /// One sweep; `busy` (when given) hears of progress after every batch.
-    async fn sweep_once(&self, busy: Option<&Busy>) -> Result<SweepReport, DbError> {
+    /// One sweep; `busy` (when given) hears of progress after every batch; `token`
+    /// ends it early; the reconciler continues from `cursor`.
+    async fn sweep_once(
+        &self,
+        busy: Option<&Busy>,
+        token: &CancellationToken,
+        cursor: &mut reconciler::Cursor,
+    ) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
         let leader: bool = column(
             &client
@@ -91,10 +105,17 @@ impl Sweeper {
         if !leader {
             return Ok(SweepReport::default());
         }
-        let mut result = self.sweep(&mut client, busy).await;
-        if let Ok(report) = &mut result {
-            match reconciler::run_once(&mut client, &self.config, &self.stats).await {
-                Ok(r) => report.releases_repaired = r.repaired,
+        let mut result = self.sweep(&mut client, busy, token).await;
+        if let Ok(report) = &mut result
+            && !token.is_cancelled()
+        {
+            match reconciler::run_pass(&mut client, &self.config, &self.stats, cursor, busy, token)
+                .await
+            {
+                Ok(r) => {
+                    report.releases_repaired = r.repaired;
+                    report.releases_unreadable = r.unreadable;
+                }
                 Err(e) => result = Err(e),
             }
         }
@@ -108,6 +129,7 @@ impl Sweeper {
         &self,
         client: &mut deadpool_postgres::Client,
         busy: Option<&Busy>,
+        token: &CancellationToken,
     ) -> Result<SweepReport, DbError> {
         let mut report = SweepReport {
             leader: true,
@@ -119,6 +141,9 @@ impl Sweeper {
         let mut after: Option<i64> = None;
         let mut unreadable = Vec::new();
         loop {
+            if token.is_cancelled() {
+                break;
+            }
             let rows = client
                 .query(
                     "SELECT id, deadline_version, expire_at, expire_at::text AS raw FROM orders
@@ -145,11 +170,15 @@ impl Sweeper {
                 close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
             tx.commit().await?;
             let closed = done.closed;
-            // Pacing is deliberate idleness, not a stall.
+            // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
             let pace = async {
-                self.limiter.acquire(closed.len()).await;
-                if rows.len() >= self.config.batch_size.try_into().unwrap_or(usize::MAX) {
-                    tokio::time::sleep(self.config.pause).await;
+                if self.limiter.acquire_or_cancelled(closed.len(), token).await
+                    && rows.len() >= self.config.batch_size.try_into().unwrap_or(usize::MAX)
+                {
+                    tokio::select! {
+                        _ = tokio::time::sleep(self.config.pause) => {}
+                        _ = token.cancelled() => {}
+                    }
                 }
             };
             match busy {
@@ -209,10 +238,14 @@ impl Sweeper {
     }
 
     pub async fn run(self, health: Health, token: CancellationToken) {
+        let mut cursor = reconciler::Cursor::default();
         loop {
             let busy = health.busy("sweeper");
-            let swept = self.sweep_once(Some(&busy)).await;
+            let swept = self.sweep_once(Some(&busy), &token, &mut cursor).await;
             drop(busy);
+            if token.is_cancelled() {
+                return;
+            }
             match swept {
                 Ok(report) => {
                     health.up("sweeper");

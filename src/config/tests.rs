@@ -165,3 +165,21 @@ fn the_heartbeat_goes_into_the_workers_broker_url_unless_the_url_has_one() {
     assert_eq!(parsed.query.heartbeat, Some(10));
     assert_eq!(parsed.vhost, "/");
 }
+
+#[test]
+fn a_drain_timeout_that_would_abandon_every_shutdown_is_refused() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        for text in [
+            "[worker]\ndrain_timeout = \"0s\"",
+            "[worker]\ndrain_timeout = \"10ms\"",
+        ] {
+            jail.create_file("lapse.toml", text)?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, "worker.drain_timeout", "{text}");
+        }
+        jail.create_file("lapse.toml", "[worker]\ndrain_timeout = \"1s\"")?;
+        load().unwrap();
+        Ok(())
+    });
+}

@@ -17,6 +17,14 @@ impl Config {
         within("sweeper.interval", self.sweeper.interval, ms, None)?;
         within("worker.lock_retry", self.worker.lock_retry, ms, None)?;
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
+        // Shorter than a second, every shutdown would be abandoned (exit 1).
+        let second = Duration::from_secs(1);
+        within(
+            "worker.drain_timeout",
+            self.worker.drain_timeout,
+            second,
+            None,
+        )?;
         within(
             "database.statement_timeout",
             self.database.statement_timeout,

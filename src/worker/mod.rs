@@ -144,8 +144,10 @@ impl Consumer {
                 .await;
             // Pay for the closes after the fact: the next batch waits, so a backlog
             // drains at the configured rate. Only closes count, not duplicates or stale ones.
+            // A shutdown ends the wait at once (the next `next` then stops the loop).
             if let Ok(report) = &report {
-                busy.idle_while(self.limiter.acquire(report.closed)).await;
+                busy.idle_while(self.limiter.acquire_or_cancelled(report.closed, token))
+                    .await;
             }
             drop(busy);
             if let Err(e) = report {

@@ -30,7 +30,7 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 }
 
 /// `orders` closed and `releases` release events relayed into `<P>.stock.release`.
-async fn closed_with_releases_queued(
+pub async fn closed_with_releases_queued(
     env: &TestEnv,
     db: &tokio_postgres::Client,
     orders: i64,
@@ -244,5 +244,125 @@ async fn a_release_that_can_never_succeed_is_parked_alone_and_the_rest_release()
         10
     );
     worker.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_application_holding_a_closed_orders_row_does_not_block_checkout_of_its_sku() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    let ids = create_orders(&mut db, &[Duration::from_millis(300); 2], &line("held")).await;
+    let mut config = env.config();
+    config.worker.releaser = false;
+    // A release waiting on a row lock would hold the SKU's stock lock this long.
+    config.database.statement_timeout = Duration::from_secs(120);
+    let closer = env.start(&config).await;
+    closed_with_releases_queued(&env, &db, 2, 2).await;
+    closer.stop().await;
+
+    // The application pays too late inside a transaction it keeps open: it holds the
+    // closed order's row lock.
+    let app = env.db().await;
+    app.batch_execute("BEGIN").await.unwrap();
+    let late: String = app
+        .query_one("SELECT lapse_pay_order($1)", &[&ids[0].0])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(late, "LATE");
+
+    let mut releaser_only = config.clone();
+    releaser_only.worker.consumer = false;
+    releaser_only.worker.relay = false;
+    releaser_only.worker.releaser = true;
+    let releaser = env.start(&releaser_only).await;
+    eventually(
+        Duration::from_secs(30),
+        "the releaser met the locked order",
+        || async {
+            let waiting = count(
+                &db,
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await;
+            (waiting > 0 || releaser.stats.get(Outcome::Locked) > 0).then_some(())
+        },
+    )
+    .await;
+    // Checkout of the same SKU goes through while the lock is held.
+    let checkout = tokio::time::timeout(
+        Duration::from_secs(20),
+        create_orders(&mut db, &[Duration::from_secs(60)], &line("held")),
+    )
+    .await;
+    assert!(checkout.is_ok(), "checkout waited for the releaser");
+    wait_released(&db, 1).await;
+
+    app.batch_execute("COMMIT").await.unwrap();
+    wait_released(&db, 2).await;
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        1,
+        "only the new order's reservation is left"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
+        )
+        .await,
+        0
+    );
+    assert_eq!(releaser.stats.get(Outcome::Parked), 0);
+    releaser.stop().await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn releases_failing_alike_against_a_mismatched_schema_are_held_not_parked() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    create_orders(&mut db, &[Duration::from_millis(300); 10], &line("schema")).await;
+    let mut config = env.config();
+    config.worker.releaser = false;
+    let closer = env.start(&config).await;
+    closed_with_releases_queued(&env, &db, 10, 10).await;
+    closer.stop().await;
+    // A binary newer than the schema: a column it writes is missing.
+    db.batch_execute("ALTER TABLE orders RENAME COLUMN released_at TO released_at_later")
+        .await
+        .unwrap();
+
+    let mut releaser_only = config.clone();
+    releaser_only.worker.consumer = false;
+    releaser_only.worker.relay = false;
+    releaser_only.worker.releaser = true;
+    let releaser = env.start(&releaser_only).await;
+    eventually(
+        Duration::from_secs(60),
+        "the releaser held the failing batch twice, or parked",
+        || async {
+            let held = releaser.stats.get(Outcome::ReleaseRetried) >= 20;
+            (held || releaser.stats.get(Outcome::Parked) > 0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(releaser.stats.get(Outcome::Parked), 0, "nothing parked");
+    // The schema catches up: everything is released once.
+    db.batch_execute("ALTER TABLE orders RENAME COLUMN released_at_later TO released_at")
+        .await
+        .unwrap();
+    wait_released(&db, 10).await;
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        0
+    );
+    assert_eq!(releaser.stats.get(Outcome::Parked), 0);
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(0)
+    );
+    releaser.stop().await;
     env.cleanup().await;
 }
