@@ -64,6 +64,10 @@ pub enum BrokerError {
         exchange: String,
         routing_key: String,
     },
+    #[error(
+        "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
+    )]
+    MissingTier { queue: String },
 }
 
 impl BrokerError {
@@ -90,7 +94,6 @@ impl crate::backoff::SessionError for BrokerError {
         )
     }
 }
-
 
 /// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
