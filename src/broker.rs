@@ -64,6 +64,10 @@ pub enum BrokerError {
         exchange: String,
         routing_key: String,
     },
+    #[error(
+        "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
+    )]
+    MissingTier { queue: String },
 }
 
 impl BrokerError {

@@ -11,6 +11,7 @@
 //! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
 //! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
 //! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`tier_check`]: whether the wait queues a publish is about to use exist.
 //! - [`redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
 //! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
@@ -63,6 +64,7 @@ pub mod supervisor;
 pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
+pub mod tier_check;
 pub mod tls;
 pub mod topology;
 pub mod worker;

@@ -14,6 +14,7 @@
 //! connection is reopened on the next publish. Blocked and unblocked notices are
 //! logged and shown on `/health`.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use futures_util::StreamExt;
@@ -22,6 +23,8 @@ use tokio::task::JoinHandle;
 
 use crate::broker::{self, BrokerError, Endpoint, Publisher};
 use crate::health::Health;
+use crate::tier::Tier;
+use crate::tier_check::TierCheck;
 
 /// One message to publish: exchange, routing key, body, properties.
 pub type Outgoing = (String, String, Vec<u8>, BasicProperties);
@@ -162,6 +165,18 @@ impl PublishingConnection {
             .await
             .pop()
             .unwrap_or(Err(BrokerError::ConnectionLost))
+    }
+
+    /// The tiers among `tiers` whose wait queue does not exist (see [`TierCheck`]),
+    /// asked on this connection. Fails at once, like a publish, when the connection is
+    /// blocked or cannot be (re)opened.
+    pub async fn missing_tiers(
+        &mut self,
+        check: &TierCheck,
+        tiers: impl IntoIterator<Item = Tier>,
+    ) -> Result<BTreeSet<Tier>, BrokerError> {
+        self.ready().await?;
+        check.missing(&self.conn, tiers).await
     }
 
     /// A usable confirm channel: reconnects and reopens as needed, each step bounded

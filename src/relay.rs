@@ -8,7 +8,9 @@
 //! `FOR UPDATE SKIP LOCKED`. Woken by `NOTIFY lapse_outbox`, with a polling fallback.
 //!
 //! A row the broker refuses (a full tier, `reject-publish`) or returns (`mandatory`:
-//! no queue bound, e.g. deleted by an operator) is never deleted: it is rescheduled
+//! no queue bound, e.g. deleted by an operator), and a timeout whose wait tier has no
+//! queue (checked before publishing, see [`crate::tier_check`]: `<P>.delay` would
+//! route it to parked and confirm it), is never deleted: it is rescheduled
 //! (`not_before`, with exponential back-off per row, see [`retry`]) and the round
 //! takes rows by `(not_before, id)`, so a refused destination waits alone while every
 //! other row — other tiers, stock releases — flows past it.
@@ -16,11 +18,13 @@
 mod outgoing;
 pub mod retry;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use futures_util::StreamExt;
+use lapin::Connection;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -32,7 +36,8 @@ use crate::health::Health;
 use crate::publishing::BlockedWatch;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
-use crate::tier::TierSet;
+use crate::tier::{Tier, TierSet};
+use crate::tier_check::TierCheck;
 use crate::topology::Names;
 use outgoing::Outgoing;
 
@@ -65,7 +70,8 @@ pub enum RelayOutcome {
     /// Nothing to publish.
     Idle,
     /// Rows published and deleted; `refused` rows were nacked (a full tier) and
-    /// `returned` ones unroutable: both stay, rescheduled for later.
+    /// `returned` ones unroutable (returned by the broker, or for a tier without a
+    /// queue): both stay, rescheduled for later.
     Published {
         sent: usize,
         refused: usize,
@@ -81,12 +87,14 @@ pub struct Relay {
     pub tolerance: Duration,
     pub batch_size: i64,
     pub stats: Stats,
+    pub tier_check: TierCheck,
 }
 
 impl Relay {
     pub fn new(config: &Config, pool: Pool, tiers: TierSet, stats: Stats) -> Self {
         Self {
             pool,
+            tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
             names: config.names(),
             tiers,
             tolerance: config.worker.tier_tolerance,
@@ -95,9 +103,15 @@ impl Relay {
         }
     }
 
-    /// One round: lock a batch of due rows, publish it with confirms, delete what was
-    /// confirmed and routed, reschedule what was refused or returned.
-    pub async fn run_once(&self, publisher: &Publisher) -> Result<RelayOutcome, RelayError> {
+    /// One round: lock a batch of due rows, check that the wait tiers they go to
+    /// exist (asked on `conn`, the publisher's connection), publish the rest with
+    /// confirms, delete what was confirmed and routed, reschedule what was refused or
+    /// returned or had no tier queue.
+    pub async fn run_once(
+        &self,
+        conn: &Connection,
+        publisher: &Publisher,
+    ) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let rows = tx
@@ -115,7 +129,21 @@ impl Relay {
             .iter()
             .map(|r| self.decode(r))
             .collect::<Result<_, DbError>>()?;
-        let messages = outgoing
+        let tiers: BTreeSet<Tier> = outgoing.iter().filter_map(|o| o.tier).collect();
+        let missing = if tiers.is_empty() {
+            BTreeSet::new()
+        } else {
+            self.tier_check.missing(conn, tiers).await?
+        };
+        let mut later = Later::default();
+        let (no_queue, ready): (Vec<&Outgoing>, Vec<&Outgoing>) = outgoing
+            .iter()
+            .partition(|o| o.tier.is_some_and(|t| missing.contains(&t)));
+        for o in no_queue {
+            let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
+            later.add(o, &BrokerError::MissingTier { queue });
+        }
+        let messages = ready
             .iter()
             .map(|o| {
                 (
@@ -130,9 +158,8 @@ impl Relay {
         let mut sent_ids = Vec::new();
         let mut hop_orders = Vec::new();
         let mut hop_details = Vec::new();
-        let mut later = Later::default();
         let mut broken = None;
-        for (o, result) in outgoing.iter().zip(results) {
+        for (o, result) in ready.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     sent_ids.push(o.outbox_id);
@@ -242,7 +269,7 @@ impl Relay {
                 continue;
             }
             let busy = health.busy("relay");
-            let round = self.run_once(&publisher).await;
+            let round = self.run_once(&conn, &publisher).await;
             drop(busy);
             match round {
                 // Refused and returned rows were rescheduled: no reason to slow down
@@ -288,7 +315,7 @@ impl Later {
             .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
         self.errors.push(error.to_string());
         match error {
-            BrokerError::Unroutable { .. } => self.returned += 1,
+            BrokerError::Unroutable { .. } | BrokerError::MissingTier { .. } => self.returned += 1,
             _ => self.refused += 1,
         }
     }

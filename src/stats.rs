@@ -45,6 +45,8 @@ pub enum Outcome {
     ReleaseRetried,
     /// A publish the broker could not route to any queue (returned, `mandatory`):
     /// the relay keeps the outbox row, the worker parks the delivery with the reason.
+    /// Also a timeout not published because its wait tier has no queue: the relay
+    /// keeps the row, the worker keeps the delivery.
     Unroutable,
     /// Reconciler: a CLOSED order's lost stock release emitted again (should stay 0).
     ReleaseRepaired,

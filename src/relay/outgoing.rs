@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use super::Relay;
 use crate::db::{DbError, column};
 use crate::message::{Route, TimeoutMessage, parked_properties};
+use crate::tier::Tier;
 use crate::topology::STOCK_RELEASE_ROUTING_KEY;
 
 /// An outbox row as the relay read it.
@@ -35,6 +36,8 @@ pub(super) struct Outgoing {
     /// The timeline event of a timeout's first hop.
     pub hop: Option<Value>,
     pub attempts: u32,
+    /// The wait tier it goes to, if any (its queue is checked before publishing).
+    pub tier: Option<Tier>,
     /// How soon this row would be routed elsewhere (a timeout whose remaining time
     /// drops below its tier); `None` when its route does not change with time.
     pub reroute_after: Option<Duration>,
@@ -106,6 +109,7 @@ impl Relay {
             ),
             hop: None,
             attempts,
+            tier: None,
             reroute_after: None,
         }
     }
@@ -131,6 +135,7 @@ impl Relay {
                     .with_message_id(ShortString::from(format!("release-{order_id}"))),
                 hop: None,
                 attempts,
+                tier: None,
                 reroute_after: None,
             };
         }
@@ -170,6 +175,7 @@ impl Relay {
                     body: message.encode(),
                     properties: message.properties(),
                     attempts,
+                    tier: route.tier,
                     reroute_after,
                 }
             }

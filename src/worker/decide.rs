@@ -27,6 +27,11 @@ pub enum Action {
         route: Route,
         message: TimeoutMessage,
         outcome: Outcome,
+        /// How soon, counted from the clock read, the delivery would take another
+        /// route (its remaining time drops below the tier); `None` when the route does
+        /// not depend on time. A delivery kept after a failed publish is decided again
+        /// no later than this.
+        reroute_after: Option<Duration>,
     },
     /// Copy to the parked queue with the reason, then acknowledge.
     Park { reason: String, outcome: Outcome },
@@ -217,12 +222,14 @@ impl Decider {
         if route.tier.is_none() {
             return Action::Hold(remaining);
         }
+        let reroute_after = route.tier.map(|t| remaining.saturating_sub(t.duration()));
         let mut message = m.clone();
         message.hops = message.hops.saturating_add(1);
         Action::Publish {
             route,
             message,
             outcome: Outcome::Redelayed,
+            reroute_after,
         }
     }
 
@@ -246,6 +253,7 @@ impl Decider {
             route: Route::tier(&self.names, self.backoff_tier(attempt)),
             message,
             outcome: Outcome::Retried,
+            reroute_after: None,
         }
     }
 
@@ -357,10 +365,17 @@ mod tests {
             &snapshot(Ok(unpaid(Ok(m.expire_at)))),
             &mut HashSet::new(),
         );
-        let Action::Publish { message, .. } = action else {
+        let Action::Publish {
+            message,
+            reroute_after,
+            ..
+        } = action
+        else {
             panic!("expected a re-delay, got {action:?}");
         };
         assert_eq!(message.hops, u32::MAX);
+        // 30 s left, the 10s tier: another route once fewer than 10 s are left.
+        assert_eq!(reroute_after, Some(Duration::from_secs(20)));
 
         m.attempt = u32::MAX;
         let error = DbError::Config("down".into());
@@ -372,7 +387,12 @@ mod tests {
             }
         ));
         m.attempt = 1;
-        let Action::Publish { message, .. } = d.retry(&m, &error) else {
+        let Action::Publish {
+            message,
+            reroute_after: None,
+            ..
+        } = d.retry(&m, &error)
+        else {
             panic!("expected a retry");
         };
         assert_eq!((message.attempt, message.hops), (2, u32::MAX));

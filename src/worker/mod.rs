@@ -10,12 +10,20 @@
 //! back to the broker — that would spend its delivery budget — : the worker keeps it
 //! and decides it again after a back-off, so a delivery that has meanwhile become due
 //! is closed instead of re-delayed. A publish the broker confirms but cannot route
-//! (its queue was deleted) is parked with the reason, never acknowledged away.
+//! (its queue was deleted) is parked with the reason, never acknowledged away. A
+//! re-delay to a wait tier whose queue does not exist is not published at all
+//! (`<P>.delay` would route it to parked and confirm it, see [`crate::tier_check`]):
+//! the delivery is kept and decided again after the back-off, as for a failed publish.
+//! A kept delivery is decided again no later than when its route would change, so a
+//! missing or full tier never makes a close late by more than that.
 
 mod decide;
+mod kept;
 
 pub use decide::{Action, Decider};
+use kept::{Kept, hold};
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
@@ -35,7 +43,8 @@ use crate::publishing::PublishingConnection;
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
-use crate::tier::TierSet;
+use crate::tier::{Tier, TierSet};
+use crate::tier_check::TierCheck;
 use crate::topology::Names;
 
 #[derive(Clone)]
@@ -47,6 +56,7 @@ pub struct Consumer {
     pub batch_size: usize,
     pub batch_window: Duration,
     pub limiter: RateLimiter,
+    pub tier_check: TierCheck,
 }
 
 /// What one batch did.
@@ -90,6 +100,7 @@ impl Consumer {
             batch_size: w.batch_size.min(usize::from(w.prefetch)),
             batch_window: w.batch_window,
             limiter,
+            tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
         }
     }
 
@@ -183,6 +194,25 @@ impl Consumer {
         for c in &closed {
             self.stats.lateness(c.lateness(), "timeout");
         }
+        let mut kept = Kept::default();
+        let tiers: BTreeSet<Tier> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Publish { route, .. } => route.tier,
+                _ => None,
+            })
+            .collect();
+        // Unknown (the question failed) counts as missing: keep those deliveries too.
+        let (missing, unknown) = match tiers.is_empty() {
+            true => (BTreeSet::new(), false),
+            false => match publishing.missing_tiers(&self.tier_check, tiers).await {
+                Ok(missing) => (missing, false),
+                Err(e) => {
+                    kept.because(e);
+                    (BTreeSet::new(), true)
+                }
+            },
+        };
         let mut to_publish = Vec::new();
         let mut waiting = Vec::new();
         let mut hops = Vec::new();
@@ -206,7 +236,17 @@ impl Consumer {
                     route,
                     message,
                     outcome,
+                    reroute_after,
                 } => {
+                    if let Some(t) = route.tier.filter(|t| unknown || missing.contains(t)) {
+                        if !unknown {
+                            self.stats.record(Outcome::Unroutable, 1);
+                            let queue = self.names.wait_queue(t);
+                            kept.because(BrokerError::MissingTier { queue });
+                        }
+                        kept.keep(delivery, reroute_after);
+                        continue;
+                    }
                     let tier = route.tier.map(|t| t.name());
                     self.stats.hop(tier.as_deref());
                     hops.push((message.order_id, json!({
@@ -219,7 +259,7 @@ impl Consumer {
                         message.encode(),
                         message.properties(),
                     ));
-                    waiting.push((delivery, outcome));
+                    waiting.push((delivery, outcome, reroute_after));
                 }
                 Action::Park { reason, outcome } => {
                     tracing::warn!(%reason, "worker: parking a message");
@@ -231,16 +271,14 @@ impl Consumer {
                         delivery.data.clone(),
                         properties,
                     ));
-                    waiting.push((delivery, outcome));
+                    waiting.push((delivery, outcome, None));
                 }
             }
         }
         let attempted = !to_publish.is_empty();
         let results = publishing.publish_all(to_publish).await;
-        let mut failure = None;
-        let mut failed = Vec::new();
         let mut unroutable = Vec::new();
-        for ((delivery, outcome), result) in waiting.into_iter().zip(results) {
+        for ((delivery, outcome, reroute_after), result) in waiting.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     ack(&delivery).await?;
@@ -263,8 +301,8 @@ impl Consumer {
                     if matches!(e, BrokerError::Nacked { .. }) {
                         self.stats.record(Outcome::PublishRefused, 1);
                     }
-                    failure.get_or_insert(e);
-                    failed.push(delivery);
+                    kept.because(e);
+                    kept.keep(delivery, reroute_after);
                 }
             }
         }
@@ -276,23 +314,15 @@ impl Consumer {
                     report.acked += 1;
                 }
                 Err(e) => {
-                    failure.get_or_insert(e);
-                    failed.push(delivery);
+                    kept.because(e);
+                    kept.keep(delivery, None);
                 }
             }
         }
-        if let Some(e) = failure {
-            // Keep the deliveries (no nack: that would spend their delivery budget) and
-            // decide them again later: by then some may be due, or the tier may have room.
-            let delay = retry.next_delay();
-            tracing::warn!(error = %e, deliveries = failed.len(),
-                retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                "worker: publish failed; keeping the deliveries to decide again");
-            report.retrying = failed.len();
-            let until = tokio::time::Instant::now() + delay;
-            for delivery in failed {
-                hold(source, delivery, until);
-            }
+        // Keep the deliveries (no nack: that would spend their delivery budget) and
+        // decide them again later: by then some may be due, or the tier may have room.
+        if kept.failed() {
+            report.retrying = kept.hold_all(source, retry, read_at);
         } else if attempted {
             retry.reset();
         }
@@ -337,15 +367,6 @@ impl Consumer {
 
 /// A publish: exchange, routing key, body, properties.
 type PublishItem = (String, String, Vec<u8>, BasicProperties);
-
-/// Keeps `delivery` unacknowledged and hands it back to the batch source at `until`.
-fn hold(source: &BatchSource, delivery: Delivery, until: tokio::time::Instant) {
-    let back = source.return_to.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep_until(until).await;
-        let _ = back.send(delivery);
-    });
-}
 
 async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
     delivery

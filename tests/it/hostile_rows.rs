@@ -72,7 +72,7 @@ async fn the_relay_parks_an_outbox_payload_that_is_not_a_timeout_intent() {
         lapse::stats::Stats::default(),
     );
     let publisher = Publisher::new(&env.conn).await.unwrap();
-    let outcome = relay.run_once(&publisher).await.unwrap();
+    let outcome = relay.run_once(&env.conn, &publisher).await.unwrap();
     assert_eq!(
         outcome,
         lapse::relay::RelayOutcome::Published {

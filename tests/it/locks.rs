@@ -17,13 +17,20 @@ fn one_line() -> Vec<Line> {
     }]
 }
 
-/// Begins a transaction on `holder` that locks order `id` like an application would.
-async fn hold_row_lock(holder: &tokio_postgres::Client, id: i64) {
+/// Begins a transaction on `holder` that locks order `id` like an application would;
+/// returns the database clock read once the lock was held (a bound on when it was
+/// taken).
+async fn hold_row_lock(holder: &tokio_postgres::Client, id: i64) -> DateTime<Utc> {
     holder.batch_execute("BEGIN").await.unwrap();
     holder
         .query_one("SELECT id FROM orders WHERE id = $1 FOR UPDATE", &[&id])
         .await
         .unwrap();
+    holder
+        .query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 /// Ends the holder's transaction; returns the database clock just before it ended.
@@ -51,15 +58,27 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
     let env = TestEnv::with_database(&["1s"]).await;
     let worker = env.start(&env.config()).await;
     let mut db = env.db().await;
-    let locked = create_orders(&mut db, &[Duration::from_secs(3)], &one_line()).await[0].0;
-    let others = create_orders(&mut db, &[Duration::from_secs(4); 50], &one_line()).await;
-    let created = Instant::now();
     let holder = env.db().await;
-    hold_row_lock(&holder, locked).await;
+    // The lock is taken right after the order exists, well before its deadline (a
+    // busy machine must not let the worker close it first), and the others are due
+    // at the same moment, so the worker meets the locked row among them.
+    let locked = create_orders(&mut db, &[Duration::from_secs(5)], &one_line()).await[0].0;
+    let locked_by = hold_row_lock(&holder, locked).await;
+    let expire_at: DateTime<Utc> = db
+        .query_one("SELECT expire_at FROM orders WHERE id = $1", &[&locked])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        locked_by < expire_at,
+        "the lock ({locked_by}) must be held before the deadline ({expire_at})"
+    );
+    let others = create_orders(&mut db, &[Duration::from_secs(5); 50], &one_line()).await;
+    let created = Instant::now();
 
     // Everything else closes while the lock is still held.
     let closed_within = eventually(
-        Duration::from_secs(4 + 12),
+        Duration::from_secs(60),
         "the 50 unlocked orders closed while one row is locked",
         || async {
             let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
@@ -78,7 +97,7 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
         .get(0);
     assert_eq!(closed_others, 50, "{closed_within:?} after creating them");
     // The worker met the lock, skipped it and keeps retrying it.
-    eventually(Duration::from_secs(10), "the lock noticed", || async {
+    eventually(Duration::from_secs(30), "the lock noticed", || async {
         (worker.stats.get(Outcome::Locked) >= 2).then_some(())
     })
     .await;
@@ -89,7 +108,7 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
         .get(0);
     assert_eq!(status, "UNPAID", "nothing happens to a row someone holds");
     // The slow payment call goes on a little longer, well past the deadline.
-    tokio::time::sleep(Duration::from_secs(5).saturating_sub(created.elapsed())).await;
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(created.elapsed())).await;
     let released_at = release_row_lock(&holder).await;
 
     let closed_at: DateTime<Utc> = eventually(

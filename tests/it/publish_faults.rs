@@ -1,10 +1,11 @@
 //! Publishes the broker does not take: a queue deleted while the pipeline runs (the
-//! broker returns `mandatory` publishes it cannot route) and a full tier refusing
-//! (`reject-publish`). Nothing is lost, and a refused destination waits alone.
+//! broker returns `mandatory` publishes it cannot route), a full tier refusing
+//! (`reject-publish`) and a deleted wait tier (whose publishes the delay exchange
+//! would route to parked, so lapse checks the tier before publishing). Nothing is lost, and a refused destination waits alone.
 
 use std::time::Duration;
 
-use lapse::orders::Line;
+use lapse::orders::{Line, OrderId};
 use lapse::stats::Outcome;
 
 use crate::helpers::{
@@ -167,6 +168,88 @@ async fn a_full_tier_refuses_alone_while_other_intents_and_releases_flow() {
         "the full tier was still refusing meanwhile ({still_refused} rows waiting)"
     );
     assert_never_early(&db).await;
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+/// How many of `ids` satisfy `condition` (a predicate on `orders o`).
+async fn orders_where(db: &tokio_postgres::Client, ids: &[OrderId], condition: &str) -> i64 {
+    let ids: Vec<i64> = ids.iter().map(|i| i.0).collect();
+    let sql = format!("SELECT count(*) FROM orders o WHERE o.id = ANY($1) AND {condition}");
+    db.query_one(&sql, &[&ids]).await.unwrap().get(0)
+}
+
+#[tokio::test]
+async fn timeouts_for_a_deleted_wait_tier_are_not_published_to_parked_and_close_once() {
+    // `<P>.delay` routes a publish for a tier without a queue to parked and confirms it:
+    // without the tier check such a timeout would count as delivered.
+    let env = TestEnv::with_database(&["1s", "5s", "15s"]).await;
+    let worker = env.start(&env.config()).await;
+    let mut db = env.db().await;
+    let names = env.names();
+    let five = lapse::tier::Tier::parse("5s").unwrap();
+    // Nothing in flight: an operator deletes the 5s tier (to change its arguments).
+    queues::delete(&env.conn, &names.wait_queue(five)).await;
+
+    // A: first hop 15s (relay), then the worker re-delays with ~11 s left: 5s.
+    // B: the relay's first hop would be 5s, for ~9 s. C: 1s, which still exists.
+    let a = create_orders(&mut db, &[Duration::from_secs(26); 10], &line()).await;
+    let b = create_orders(&mut db, &[Duration::from_secs(14); 10], &line()).await;
+    let c = create_orders(&mut db, &[Duration::from_secs(2); 10], &line()).await;
+    eventually(
+        Duration::from_secs(30),
+        "B's intents held in the outbox while C closes",
+        || async {
+            let held = count(
+                &db,
+                "SELECT count(*) FROM outbox
+                  WHERE kind = 'timeout' AND attempts > 0 AND last_error LIKE 'unroutable:%5s%'",
+            )
+            .await;
+            let c_closed = orders_where(&db, &c, "o.status = 'CLOSED'").await;
+            (held == 10 && c_closed == 10).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(queues::depth(&env.conn, &names.parked()).await, Some(0));
+
+    // With the tier still missing, every timeout goes through a smaller tier once its
+    // remaining time drops below 5 s (the worker kept A's deliveries meanwhile).
+    let abc: Vec<OrderId> = [a, b, c].concat();
+    eventually(Duration::from_secs(60), "A, B and C closed", || async {
+        (orders_where(&db, &abc, "o.status = 'CLOSED'").await == 30).then_some(())
+    })
+    .await;
+    assert!(worker.stats.get(Outcome::Unroutable) >= 10);
+    assert_eq!(queues::depth(&env.conn, &names.parked()).await, Some(0));
+
+    // Re-created, the tier takes timeouts again.
+    reapply(&env).await;
+    let d = create_orders(&mut db, &[Duration::from_secs(8); 10], &line()).await;
+    eventually(Duration::from_secs(60), "D closed", || async {
+        (orders_where(&db, &d, "o.status = 'CLOSED'").await == 10).then_some(())
+    })
+    .await;
+    let through_five = orders_where(
+        &db,
+        &d,
+        "EXISTS (SELECT 1 FROM order_events e WHERE e.order_id = o.id
+                    AND e.event = 'hop' AND e.detail->>'tier' = '5s')",
+    )
+    .await;
+    assert_eq!(
+        through_five, 10,
+        "D's timeouts went through the re-created tier"
+    );
+
+    assert_never_early(&db).await;
+    wait_released(&db, 40).await;
+    assert_eq!(
+        count(&db, "SELECT sum(reserved)::bigint FROM stock").await,
+        0
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    assert_eq!(queues::depth(&env.conn, &names.parked()).await, Some(0));
     worker.stop().await;
     env.cleanup().await;
 }
