@@ -251,11 +251,16 @@ impl TestEnv {
 
     fn topology_names(&self) -> (Vec<String>, Vec<String>) {
         let names = self.names();
-        let queues = vec![
+        let mut queues = vec![
             names.due_queue(),
             names.parked(),
             names.stock_release_queue(),
         ];
+        // The wait tiers by name too, so cleanup does not depend on the management
+        // API answering (it lists the rest).
+        if let Ok(file) = TierFile::load(&self.tier_path()) {
+            queues.extend(file.tiers.iter().map(|t| names.wait_queue(t)));
+        }
         let exchanges = vec![
             names.delay_exchange(),
             names.due_exchange(),
