@@ -30,17 +30,21 @@ use crate::tier_check::TierCheck;
 pub type Outgoing = (String, String, Vec<u8>, BasicProperties);
 
 /// Follows a connection's blocked/unblocked notices: logs them, shows them on
-/// `/health` and remembers the broker's reason. Stops when dropped.
+/// `/health` and remembers the broker's reason. Stops when dropped, and then clears
+/// the block it showed: the connection it watched is gone (a replacement starts
+/// unblocked and would never hear an "unblocked" for the old one).
 pub struct BlockedWatch {
     task: JoinHandle<()>,
     reason: Arc<Mutex<Option<String>>>,
+    health: Health,
+    component: &'static str,
 }
 
 impl BlockedWatch {
     pub fn start(conn: &Connection, name: &str, component: &'static str, health: &Health) -> Self {
         let reason = Arc::new(Mutex::new(None));
         let mut events = conn.events_listener();
-        let (name, health, shared) = (name.to_string(), health.clone(), reason.clone());
+        let (name, watcher, shared) = (name.to_string(), health.clone(), reason.clone());
         let task = tokio::spawn(async move {
             while let Some(event) = events.next().await {
                 let now = match event {
@@ -57,10 +61,15 @@ impl BlockedWatch {
                 if let Ok(mut r) = shared.lock() {
                     r.clone_from(&now);
                 }
-                health.blocked(component, now);
+                watcher.blocked(component, now);
             }
         });
-        Self { task, reason }
+        Self {
+            task,
+            reason,
+            health: health.clone(),
+            component,
+        }
     }
 
     /// The broker's reason for the current block, if it gave one.
@@ -72,6 +81,7 @@ impl BlockedWatch {
 impl Drop for BlockedWatch {
     fn drop(&mut self) {
         self.task.abort();
+        self.health.blocked(self.component, None);
     }
 }
 
