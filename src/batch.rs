@@ -125,6 +125,9 @@ impl ConsumerSession {
         queue: &str,
         prefetch: u16,
     ) -> Result<Self, BrokerError> {
+        // Opening is a unit of work for the liveness check (a connect that never
+        // returns is a stall); waiting for deliveries afterwards is not.
+        let _opening = health.busy(component);
         let publish_name = format!("lapse {role} publish {prefix}");
         let publishing =
             PublishingConnection::open(endpoint, &publish_name, component, health).await?;

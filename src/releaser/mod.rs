@@ -122,7 +122,6 @@ impl Releaser {
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let queue = self.names.stock_release_queue();
-        let busy = health.busy("releaser");
         let mut session = ConsumerSession::open(
             broker,
             "releaser",
@@ -133,7 +132,6 @@ impl Releaser {
             self.prefetch,
         )
         .await?;
-        drop(busy);
         let result = loop {
             match session
                 .source

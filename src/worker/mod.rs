@@ -126,7 +126,6 @@ impl Consumer {
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
         let queue = self.names.due_queue();
-        let busy = health.busy("consumer");
         let mut session = ConsumerSession::open(
             broker,
             "worker",
@@ -137,7 +136,6 @@ impl Consumer {
             self.prefetch,
         )
         .await?;
-        drop(busy);
         let mut retry = Backoff::new();
         let result = loop {
             let batch = match session
