@@ -54,6 +54,10 @@ impl Backoff {
 /// Runs `session` until it returns `Ok` (a clean stop) or `token` is cancelled;
 /// after each error, logs it, reports the component down and waits with back-off
 /// before the next session. A fatal error ends the loop with [`Fatal`].
+///
+/// The component is down until a session reports it up (once its connection is
+/// open): a component that is still connecting, or reconnecting after an error,
+/// is not up, and keeps showing its last error meanwhile.
 pub async fn reconnecting<E, F, Fut>(
     component: &'static str,
     health: &Health,
@@ -66,8 +70,8 @@ where
     Fut: std::future::Future<Output = Result<(), E>>,
 {
     let mut backoff = Backoff::new();
+    health.connecting(component);
     while !token.is_cancelled() {
-        health.up(component);
         match session().await {
             Ok(()) => break,
             Err(e) if e.is_fatal() => return Err(Fatal(format!("{component}: {e}"))),

@@ -143,6 +143,7 @@ impl ConsumerSession {
             }
         };
         tracing::info!(%queue, prefetch, "consuming");
+        health.up(component);
         Ok(Self {
             conn,
             publishing,

@@ -2,8 +2,9 @@
 //!
 //! Two questions, kept apart:
 //! - **Up** (health): not currently waiting to retry after a failure (broker or database
-//!   away, a restart after a panic). A component that has never failed is up. A
-//!   component that is down is still alive: it is retrying on its own.
+//!   away, a restart after a panic). A component that works over a broker connection
+//!   is up only once that connection is open, so it is down while it connects or
+//!   reconnects. A component that is down is still alive: it is retrying on its own.
 //! - **Live** (liveness): every component is making progress. A component marks each
 //!   unit of work (a batch, a relay round, a sweep, opening a session) with a [`Busy`]
 //!   guard; waiting for work is not busy. A component busy for longer than the stall
@@ -81,6 +82,12 @@ impl Health {
     /// Registers a running component as up.
     pub fn up(&self, component: &'static str) {
         self.lock().entry(component).or_default().up = true;
+    }
+
+    /// Marks a component as not up until it reports [`Health::up`] again (it is
+    /// opening its connection); its last error, if any, stays visible.
+    pub fn connecting(&self, component: &'static str) {
+        self.lock().entry(component).or_default().up = false;
     }
 
     /// Marks a component as failing with `error` (it is backing off).

@@ -253,6 +253,7 @@ impl Relay {
         let _blocked = BlockedWatch::start(&conn, &name, "relay", health);
         let publisher = broker.publisher(&conn).await?;
         drop(busy);
+        health.up("relay");
         let mut backoff = Backoff::new();
         let result = loop {
             if token.is_cancelled() {

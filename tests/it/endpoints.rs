@@ -85,9 +85,13 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
     // The same worker pointed at a broker that is not there: degraded, with the reason.
     let port = free_port();
     let mut worker = spawn_worker(&env, port, Some("amqp://guest:guest@127.0.0.1:1/%2f"));
+    // Degraded from the start (nothing is up before its connection is open); wait
+    // for the consumer's first failed connect to be reported.
     let (status, body) = eventually(Duration::from_secs(20), "a degraded worker", || async {
         let (status, body) = get(port, "/health").await?;
-        (status == 503).then_some((status, body))
+        let health: Value = serde_json::from_str(&body).ok()?;
+        let failed = health["components"]["consumer"]["last_error"].is_string();
+        (status == 503 && failed).then_some((status, body))
     })
     .await;
     let health: Value = serde_json::from_str(&body).unwrap();
