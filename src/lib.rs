@@ -30,7 +30,8 @@
 //! - [`stats`]: outcome counters and the lateness histogram.
 //! - [`health`], [`http`]: component health and liveness, and the `/metrics`, `/livez`,
 //!   `/health` endpoint.
-//! - [`status`]: `lapse status` — depths, overdue orders, outbox, recent lateness.
+//! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
+//!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`redact`]: masks passwords in every error, log line and panic message.
 //! - [`telemetry`]: structured logs.

@@ -67,7 +67,48 @@ pub struct BindingInfo {
     pub routing_key: String,
 }
 
+impl ManagementError {
+    /// Why the API could not be used at all, when that is the case: the request never
+    /// got an answer (connection refused, TLS, timeout) or the credentials were refused
+    /// (401, or 403 for a user without the management tag). One such reason makes every
+    /// further request fail the same way, so callers say it once instead of per check.
+    pub fn unreachable_reason(&self) -> Option<String> {
+        match self {
+            ManagementError::Request { message, .. } => {
+                let lower = message.to_ascii_lowercase();
+                if lower.contains("decod") {
+                    return None; // an answer came, it was not what lapse expects
+                }
+                let why = if lower.contains("connection refused") {
+                    "connection refused".to_string()
+                } else if lower.contains("certificate") || lower.contains("tls") {
+                    message.clone()
+                } else if lower.contains("timed out") || lower.contains("timeout") {
+                    format!("no answer within the timeout ({message})")
+                } else {
+                    message.clone()
+                };
+                Some(why)
+            }
+            ManagementError::Status { status: 401, .. } => Some(
+                "401 Unauthorized: the user or password in broker.management_url is refused"
+                    .to_string(),
+            ),
+            ManagementError::Status { status: 403, .. } => Some(
+                "403 Forbidden: the user of broker.management_url lacks the management tag"
+                    .to_string(),
+            ),
+            ManagementError::Status { .. } => None,
+        }
+    }
+}
+
 impl Management {
+    /// The API's base URL without credentials, for messages.
+    pub fn shown_url(&self) -> String {
+        self.base.to_string()
+    }
+
     /// A client for `url`; `https://` is verified against the system roots.
     pub fn new(url: &Secret) -> Result<Self, ManagementError> {
         Self::with_tls(url, &TlsFiles::default())

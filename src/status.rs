@@ -1,6 +1,15 @@
 //! `lapse status`: one look at the health of a deployment — tier and queue depths
 //! from the broker, overdue UNPAID orders and the outbox from the database, the
 //! lateness of recent closes, and the stock releases the reconciler had to repair.
+//!
+//! Consumer counts and depths come from a passive queue declare (AMQP alone, no
+//! management API). [`check`] turns a status into the problems a monitoring script
+//! acts on; [`watch`] follows the backlog's drain rate between refreshes.
+
+pub mod check;
+pub mod watch;
+
+use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
@@ -14,8 +23,12 @@ use crate::topology::{QueueRole, Topology};
 #[derive(Debug, Serialize)]
 pub struct QueueDepth {
     pub queue: String,
+    /// `wait <tier>`, `due`, `parked` or `stock release`.
+    pub role: String,
     /// Ready messages; `None` when the queue does not exist.
     pub messages: Option<u32>,
+    /// Consumers attached; `None` when the queue does not exist.
+    pub consumers: Option<u32>,
 }
 
 #[derive(Debug, Serialize)]
@@ -39,6 +52,13 @@ pub struct Status {
     pub recent_release_repairs: i64,
     /// Re-emissions ever (should be 0).
     pub release_repairs_total: i64,
+    /// CLOSED orders whose stock release has not happened `release_grace_ms` after the
+    /// close (the reconciler re-emits them; should be 0).
+    pub releases_missing: i64,
+    pub oldest_missing_release_ms: Option<f64>,
+    pub release_grace_ms: u64,
+    /// Of those, orders the reconciler gave up on after every re-emission.
+    pub releases_exhausted: i64,
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
@@ -47,10 +67,22 @@ pub struct Status {
 /// Closes in this many minutes count as recent.
 const RECENT_MINUTES: i64 = 5;
 
+/// [`collect_with_grace`] with the default `sweeper.release_grace`.
 pub async fn collect<C: GenericClient>(
     conn: &lapin::Connection,
     db: &C,
     topology: &Topology,
+) -> Result<Status, StatusError> {
+    let grace = crate::config::Config::default().sweeper.release_grace;
+    collect_with_grace(conn, db, topology, grace).await
+}
+
+/// The status; a release counts as missing `release_grace` after its order closed.
+pub async fn collect_with_grace<C: GenericClient>(
+    conn: &lapin::Connection,
+    db: &C,
+    topology: &Topology,
+    release_grace: Duration,
 ) -> Result<Status, StatusError> {
     let mut queues = Vec::new();
     for q in &topology.queues {
@@ -62,20 +94,22 @@ pub async fn collect<C: GenericClient>(
             passive: true,
             ..Default::default()
         };
-        let messages = match channel
+        let (messages, consumers) = match channel
             .queue_declare(q.name.as_str().into(), passive, FieldTable::default())
             .await
         {
             Ok(found) => {
                 let _ = channel.close(200, "done".into()).await;
-                Some(found.message_count())
+                (Some(found.message_count()), Some(found.consumer_count()))
             }
-            Err(e) if crate::broker::not_found(&e) => None,
+            Err(e) if crate::broker::not_found(&e) => (None, None),
             Err(e) => return Err(BrokerError::amqp("queue.declare")(e).into()),
         };
         queues.push(QueueDepth {
             queue: q.name.clone(),
+            role: role_name(&q.role),
             messages,
+            consumers,
         });
     }
     let sane = crate::deadline::in_range_sql("expire_at");
@@ -116,6 +150,19 @@ pub async fn collect<C: GenericClient>(
         .map_err(DbError::from)?;
     let (recent_release_repairs, release_repairs_total) =
         crate::reconciler::repairs(db, RECENT_MINUTES).await?;
+    let grace_ms = i64::try_from(release_grace.as_millis()).unwrap_or(i64::MAX);
+    // Served by the small partial index `orders_unreleased`.
+    let missing = db
+        .query_one(
+            "SELECT count(*), extract(epoch FROM now() - min(closed_at))::float8 * 1000,
+                    count(*) FILTER (WHERE release_repairs >= $2)
+               FROM orders
+              WHERE status = 'CLOSED' AND released_at IS NULL
+                AND closed_at < now() - $1::bigint * interval '1 millisecond'",
+            &[&grace_ms, &crate::reconciler::MAX_REPAIRS],
+        )
+        .await
+        .map_err(DbError::from)?;
     Ok(Status {
         queues,
         overdue_unpaid: column(&overdue, 0)?,
@@ -129,6 +176,10 @@ pub async fn collect<C: GenericClient>(
         recent_sweeper_closes: column(&recent, 1)?,
         recent_release_repairs,
         release_repairs_total,
+        releases_missing: column(&missing, 0)?,
+        oldest_missing_release_ms: column(&missing, 1)?,
+        release_grace_ms: u64::try_from(grace_ms).unwrap_or(u64::MAX),
+        releases_exhausted: column(&missing, 2)?,
         lateness_p50_ms: column(&recent, 2)?,
         lateness_p99_ms: column(&recent, 3)?,
         lateness_max_ms: column(&recent, 4)?,
@@ -143,19 +194,53 @@ pub enum StatusError {
     Db(#[from] DbError),
 }
 
+fn role_name(role: &QueueRole) -> String {
+    match role {
+        QueueRole::Wait(tier) => format!("wait {tier}"),
+        QueueRole::Due => "due".into(),
+        QueueRole::Parked => "parked".into(),
+        QueueRole::StockRelease => "stock release".into(),
+    }
+}
+
 impl Status {
-    pub fn render(&self, topology: &Topology) -> String {
+    /// The queue of `role` (`due`, `parked`, `stock release`).
+    pub fn queue(&self, role: &str) -> Option<&QueueDepth> {
+        self.queues.iter().find(|q| q.role == role)
+    }
+
+    /// Timeouts not yet decided: ready messages in the wait tiers and the due queue.
+    pub fn backlog(&self) -> u64 {
+        self.queues
+            .iter()
+            .filter(|q| q.role == "due" || q.role.starts_with("wait "))
+            .filter_map(|q| q.messages)
+            .map(u64::from)
+            .sum()
+    }
+
+    pub fn render(&self) -> String {
         let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
-        let mut out = String::from("QUEUES\n");
-        for (q, spec) in self.queues.iter().zip(&topology.queues) {
-            let role = match &spec.role {
-                QueueRole::Wait(tier) => format!("wait {tier}"),
-                QueueRole::Due => "due".into(),
-                QueueRole::Parked => "parked".into(),
-                QueueRole::StockRelease => "stock release".into(),
-            };
+        let mut out = String::new();
+        for q in &self.queues {
+            if q.consumers == Some(0) && matches!(q.role.as_str(), "due" | "stock release") {
+                out.push_str(&format!(
+                    "NO CONSUMER on {} ({}): no worker is running for this prefix\n",
+                    q.queue, q.role
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "QUEUES\n  {:<40} {:<14} {:>9} {:>9}\n",
+            "name", "role", "messages", "consumers"
+        ));
+        for q in &self.queues {
             let depth = q.messages.map_or("MISSING".to_string(), |n| n.to_string());
-            out.push_str(&format!("  {:<40} {:<14} {depth}\n", q.queue, role));
+            let consumers = q.consumers.map_or("-".to_string(), |n| n.to_string());
+            out.push_str(&format!(
+                "  {:<40} {:<14} {depth:>9} {consumers:>9}\n",
+                q.queue, q.role
+            ));
         }
         out.push_str(&format!(
             "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
@@ -181,6 +266,13 @@ impl Status {
             ms(self.lateness_p50_ms),
             ms(self.lateness_p99_ms),
             ms(self.lateness_max_ms),
+        ));
+        out.push_str(&format!(
+            "RELEASES\n  missing            {} closed more than {} ago without a stock release (oldest {}, {} given up by the reconciler)\n",
+            self.releases_missing,
+            humantime::format_duration(Duration::from_millis(self.release_grace_ms)),
+            ms(self.oldest_missing_release_ms),
+            self.releases_exhausted,
         ));
         out
     }

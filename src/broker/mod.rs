@@ -229,6 +229,15 @@ pub fn vhost(url: &Secret) -> String {
         .unwrap_or_else(|_| "/".to_string())
 }
 
+/// `host:port` of an AMQP URL, without credentials, for messages.
+pub fn shown_address(url: &Secret) -> String {
+    use std::str::FromStr;
+    match lapin::uri::AMQPUri::from_str(url.expose()) {
+        Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
+        Err(_) => "(broker.url)".to_string(),
+    }
+}
+
 /// Closes a connection at the end of a session without ever hanging on a connection
 /// the broker already dropped.
 pub async fn close_quietly(conn: &Connection, reason: &str) {

@@ -4,9 +4,11 @@
 //! payment after the deadline, an extension that would not move the deadline later,
 //! insufficient stock, an order whose stored values cannot be read), 2 bad arguments
 //! or configuration (including a deadline the database refuses as invalid: overflow,
-//! past, beyond `orders.deadline_horizon`).
+//! past, beyond `orders.deadline_horizon`), 3 the broker or the database could not be
+//! reached (`status`, `topology verify`).
 
 mod order;
+mod status;
 mod topology;
 mod worker;
 
@@ -21,6 +23,8 @@ pub enum ExitStatus {
     Ok = 0,
     Failed = 1,
     Usage = 2,
+    /// The broker or the database could not be reached.
+    Unreachable = 3,
 }
 
 #[derive(Debug, Parser)]
@@ -48,11 +52,9 @@ pub enum Command {
     Migrate,
     /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
     Worker(worker::WorkerArgs),
-    /// Queue depths, overdue orders, outbox and recent lateness.
-    Status {
-        #[arg(long)]
-        json: bool,
-    },
+    /// Queue depths and consumers, overdue orders, outbox, parked messages and recent
+    /// closes; `--check` for monitoring, `--watch` for a refreshing view.
+    Status(status::StatusArgs),
     /// Create, pay, extend or show orders.
     Order {
         #[command(subcommand)]
@@ -76,7 +78,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Migrate => order::migrate(&config).await,
         Command::Worker(args) => worker::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,
-        Command::Status { json } => status(&config, json).await,
+        Command::Status(args) => status::run(&config, args).await,
     }
 }
 
@@ -84,21 +86,4 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
 pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
-}
-
-async fn status(config: &Config, json: bool) -> anyhow::Result<ExitStatus> {
-    let topology = crate::topology::Topology::new(&config.names(), &config.tier_file()?);
-    let conn = crate::broker::Endpoint::from_config(&config.broker)?
-        .connect("lapse status")
-        .await?;
-    let pool = crate::db::pool(&config.database, 1)?;
-    let client = pool.get().await?;
-    let status = crate::status::collect(&conn, &**client, &topology).await?;
-    let _ = conn.close(200, "done".into()).await;
-    if json {
-        print_json(&status)?;
-    } else {
-        print!("{}", status.render(&topology));
-    }
-    Ok(ExitStatus::Ok)
 }

@@ -24,12 +24,28 @@ pub enum TopologyCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Compare the live broker with the tier file; exit 1 on any difference.
+    /// Compare the live broker with the tier file: exit 0 when it matches, 1 on any
+    /// difference, 3 when the broker or its management API cannot be reached.
+    #[command(after_help = VERIFY_HELP)]
     Verify {
+        /// Print the checks as JSON.
         #[arg(long)]
         json: bool,
     },
 }
+
+const VERIFY_HELP: &str = "\
+Examples:
+  lapse topology verify
+  lapse topology verify --json
+
+Exit status:
+  0  the broker matches the tier file (skipped checks are listed, not failed)
+  1  drift: a missing object, different arguments, an overriding policy, a missing
+     binding or a disabled feature flag
+  2  usage or configuration error
+  3  the broker, or the management API (broker.management_url), could not be reached;
+     the line says which and why (connection refused, TLS, 401)";
 
 pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<ExitStatus> {
     let names = config.names();
@@ -79,13 +95,31 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             })
         }
         TopologyCommand::Verify { json } => {
-            let conn = endpoint.connect("lapse topology").await?;
-            let report = topology::verify(&conn, management.as_ref(), &vhost, &topology).await?;
-            let _ = conn.close(200, "done".into()).await;
+            let unreachable = |e: broker::BrokerError| {
+                eprintln!(
+                    "error: cannot reach the broker at {}: {e}",
+                    broker::shown_address(&config.broker.url)
+                );
+                Ok(ExitStatus::Unreachable)
+            };
+            let conn = match endpoint.connect("lapse topology").await {
+                Ok(conn) => conn,
+                Err(e) => return unreachable(e),
+            };
+            let report = match topology::verify(&conn, management.as_ref(), &vhost, &topology).await
+            {
+                Ok(report) => report,
+                Err(e) => return unreachable(e),
+            };
+            broker::close_quietly(&conn, "done").await;
             if json {
                 print_json(&report)?;
             } else {
                 print!("{}", report.render_table());
+            }
+            if let Some(why) = &report.management_unreachable {
+                eprintln!("error: {why}");
+                return Ok(ExitStatus::Unreachable);
             }
             Ok(if report.ok() {
                 ExitStatus::Ok

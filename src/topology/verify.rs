@@ -6,7 +6,8 @@
 //! the object exists). Through the management API it also checks the stored
 //! arguments exactly, bindings, overriding policies and the feature flags that
 //! at-least-once dead-lettering needs. What it could not check is reported as
-//! skipped, never as passed.
+//! skipped, never as passed. A management API that cannot be used at all (refused,
+//! TLS, 401) is reported once, with the reason, instead of failing every check.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -35,6 +36,10 @@ pub struct Check {
 #[derive(Debug, Default, Serialize)]
 pub struct VerifyReport {
     pub checks: Vec<Check>,
+    /// Why the management API could not be used (refused, TLS, 401), said once; its
+    /// checks were not made. `lapse topology verify` exits 3 then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub management_unreachable: Option<String>,
 }
 
 impl VerifyReport {
@@ -159,6 +164,21 @@ async fn verify_with_management(
     topology: &Topology,
 ) {
     match m.feature_flags().await {
+        Err(e) if e.unreachable_reason().is_some() => {
+            let why = e.unreachable_reason().unwrap_or_default();
+            let detail = format!(
+                "cannot reach the management API at {}: {why}; its checks were not made",
+                m.shown_url()
+            );
+            report.push(
+                "(management API)",
+                "reachable",
+                CheckStatus::Failed,
+                &detail,
+            );
+            report.management_unreachable = Some(detail);
+            return;
+        }
         Ok(flags) => {
             for wanted in ["quorum_queue", "stream_queue"] {
                 let state = flags

@@ -24,5 +24,6 @@ mod reconciler_pacing;
 mod redelivery;
 mod release_repair;
 mod secrets;
+mod status;
 mod tls;
 mod topology;

@@ -145,14 +145,14 @@ fn no_error_path_prints_a_password() {
             config: Urls::unreachable().toml(),
             env: vec![],
             args: &["status"],
-            exit: 1,
+            exit: 3,
         },
         Case {
             name: "the management API is unreachable",
             config: Urls::new(5672, CLOSED_PORT, 5432, "postgres").toml(),
             env: vec![],
             args: &["topology", "verify"],
-            exit: 1,
+            exit: 3,
         },
         Case {
             name: "the database is unreachable",

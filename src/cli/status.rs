@@ -1,0 +1,358 @@
+//! `lapse status [--check | --watch]`.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use super::{ExitStatus, print_json};
+use crate::broker::{self, BrokerError, Endpoint};
+use crate::config::Config;
+use crate::db::DbError;
+use crate::redact::redact;
+use crate::status::check::{Problem, Thresholds, problems};
+use crate::status::watch::Drain;
+use crate::status::{Status, StatusError};
+use crate::topology::{Topology, VerifyReport};
+
+const HELP: &str = "\
+Examples:
+  lapse status                      queues and consumers, orders, outbox, closes, releases
+  lapse status --check              one line per problem, nothing when healthy (cron)
+  lapse status --check --json --max-overdue 5m
+  lapse status --watch --interval 5s
+
+Exit status:
+  0  shown; with --check: no problem found; with --watch: stopped by Ctrl-C
+  1  --check found a problem (one line each on stdout); or a failed query
+  2  usage or configuration error
+  3  the broker or the database could not be reached; the line says which and why";
+
+#[derive(Debug, Args)]
+#[command(after_help = HELP)]
+pub struct StatusArgs {
+    /// Print JSON: the status; with --check `{ok, problems}`; with --watch one object
+    /// per refresh, one per line.
+    #[arg(long)]
+    json: bool,
+    /// Print one line per problem (a due queue without consumer, parked messages,
+    /// overdue orders, an old outbox row, topology drift, missing stock releases) and
+    /// exit 1 if there is any, 0 otherwise.
+    #[arg(long, conflicts_with = "watch")]
+    check: bool,
+    /// Redraw the view every --interval until Ctrl-C, with the backlog's drain rate and
+    /// an estimate of when it is empty.
+    #[arg(long)]
+    watch: bool,
+    /// Time between two refreshes of --watch (e.g. 2s, 1m).
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration)]
+    interval: Duration,
+    /// With --check: an UNPAID order overdue for longer than this is a problem.
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = humantime::parse_duration)]
+    max_overdue: Duration,
+    /// With --check: an outbox row older than this is a problem.
+    #[arg(long, value_name = "DURATION", default_value = "1m", value_parser = humantime::parse_duration)]
+    max_outbox_age: Duration,
+    /// With --check: more parked messages than this is a problem.
+    #[arg(long, value_name = "COUNT", default_value_t = 0)]
+    max_parked: u32,
+}
+
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("must be more than 0 (e.g. 2s)".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Why a status could not be taken.
+enum Failure {
+    /// The broker and/or the database could not be reached (exit 3).
+    Unreachable(Vec<Problem>),
+    Other(anyhow::Error),
+}
+
+/// The broker connection (kept across refreshes) and the database pool.
+struct Sources<'a> {
+    config: &'a Config,
+    topology: Topology,
+    endpoint: Endpoint,
+    pool: deadpool_postgres::Pool,
+    conn: Option<lapin::Connection>,
+}
+
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        next = cause.source();
+    }
+    text
+}
+
+impl Sources<'_> {
+    fn broker_down(&self, e: &BrokerError) -> Problem {
+        Problem::new(
+            "unreachable",
+            format!(
+                "cannot reach the broker at {}: {}",
+                broker::shown_address(&self.config.broker.url),
+                chain(e)
+            ),
+        )
+    }
+
+    fn database_down(&self, e: &(dyn std::error::Error + 'static)) -> Problem {
+        let why = redact(&chain(e)).into_owned();
+        let hint = if why.contains("does not exist") {
+            "; `lapse migrate` creates it, or check database.url"
+        } else {
+            ""
+        };
+        Problem::new(
+            "unreachable",
+            format!(
+                "cannot reach the database {}: {why}{hint}",
+                shown_database(self.config)
+            ),
+        )
+    }
+
+    /// The status, and with `drift` the AMQP-only topology check.
+    async fn snapshot(&mut self, drift: bool) -> Result<(Status, Option<VerifyReport>), Failure> {
+        let mut down = Vec::new();
+        if !self.conn.as_ref().is_some_and(|c| c.status().connected()) {
+            match self.endpoint.connect("lapse status").await {
+                Ok(conn) => self.conn = Some(conn),
+                Err(e) => down.push(self.broker_down(&e)),
+            }
+        }
+        let client = match self.pool.get().await {
+            Ok(client) => Some(client),
+            Err(e) => {
+                down.push(self.database_down(&e));
+                None
+            }
+        };
+        let (Some(conn), Some(client)) = (self.conn.take(), client) else {
+            return Err(Failure::Unreachable(down));
+        };
+        let outcome = self.measure(&conn, &client, drift).await;
+        // A connection the broker dropped is opened again on the next refresh.
+        if conn.status().connected() {
+            self.conn = Some(conn);
+        }
+        outcome
+    }
+
+    async fn measure(
+        &self,
+        conn: &lapin::Connection,
+        client: &deadpool_postgres::Client,
+        drift: bool,
+    ) -> Result<(Status, Option<VerifyReport>), Failure> {
+        let grace = self.config.sweeper.release_grace;
+        let status = match crate::status::collect_with_grace(
+            conn,
+            &***client,
+            &self.topology,
+            grace,
+        )
+        .await
+        {
+            Ok(status) => status,
+            Err(StatusError::Broker(e)) => {
+                return Err(Failure::Unreachable(vec![self.broker_down(&e)]));
+            }
+            Err(StatusError::Db(e)) if lost_database(&e) => {
+                return Err(Failure::Unreachable(vec![self.database_down(&e)]));
+            }
+            Err(StatusError::Db(e)) => {
+                return Err(Failure::Other(anyhow::anyhow!(
+                    "{}; has `lapse migrate` run on this database?",
+                    e.detail()
+                )));
+            }
+        };
+        let report = if drift {
+            let vhost = broker::vhost(&self.config.broker.url);
+            match crate::topology::verify(conn, None, &vhost, &self.topology).await {
+                Ok(report) => Some(report),
+                Err(e) => return Err(Failure::Unreachable(vec![self.broker_down(&e)])),
+            }
+        } else {
+            None
+        };
+        Ok((status, report))
+    }
+
+    async fn close(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            broker::close_quietly(&conn, "done").await;
+        }
+    }
+}
+
+/// A database error that means the connection, not the query, failed.
+fn lost_database(e: &DbError) -> bool {
+    match e {
+        DbError::Pool(_) => true,
+        DbError::Postgres(pg) => match pg.code() {
+            None => {
+                pg.is_closed()
+                    || std::error::Error::source(pg).is_some_and(|s| s.is::<std::io::Error>())
+            }
+            Some(code) => ["08", "57P"].iter().any(|c| code.code().starts_with(c)),
+        },
+        _ => false,
+    }
+}
+
+/// `host:port/dbname` of `database.url`, without credentials.
+fn shown_database(config: &Config) -> String {
+    let Ok(pg) = crate::db::pg_config(&config.database.url) else {
+        return "(database.url)".into();
+    };
+    let host = match pg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".into(),
+    };
+    let port = pg.get_ports().first().copied().unwrap_or(5432);
+    format!(
+        "`{}` at {host}:{port}",
+        pg.get_dbname().unwrap_or("(default)")
+    )
+}
+
+pub async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<ExitStatus> {
+    let mut sources = Sources {
+        config,
+        topology: Topology::new(&config.names(), &config.tier_file()?),
+        endpoint: Endpoint::from_config(&config.broker)?,
+        pool: crate::db::pool(&config.database, 1)?,
+        conn: None,
+    };
+    let result = if args.watch {
+        watch(&mut sources, &args).await
+    } else {
+        once(&mut sources, &args).await
+    };
+    sources.close().await;
+    result
+}
+
+async fn once(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<ExitStatus> {
+    let (status, drift) = match sources.snapshot(args.check).await {
+        Ok(found) => found,
+        Err(Failure::Other(e)) => return Err(e),
+        Err(Failure::Unreachable(down)) => {
+            if args.check && args.json {
+                print_json(&serde_json::json!({ "ok": false, "problems": down }))?;
+            } else if args.check {
+                for p in &down {
+                    println!("{}", p.line());
+                }
+            }
+            if !args.check {
+                for p in &down {
+                    eprintln!("error: {}", p.message);
+                }
+            }
+            return Ok(ExitStatus::Unreachable);
+        }
+    };
+    if !args.check {
+        if args.json {
+            print_json(&status)?;
+        } else {
+            print!("{}", status.render());
+        }
+        return Ok(ExitStatus::Ok);
+    }
+    let limits = Thresholds {
+        overdue: args.max_overdue,
+        outbox: args.max_outbox_age,
+        parked: args.max_parked,
+    };
+    let found = problems(&status, drift.as_ref(), &limits);
+    if args.json {
+        print_json(&serde_json::json!({ "ok": found.is_empty(), "problems": found }))?;
+    } else {
+        for p in &found {
+            println!("{}", p.line());
+        }
+    }
+    Ok(if found.is_empty() {
+        ExitStatus::Ok
+    } else {
+        ExitStatus::Failed
+    })
+}
+
+/// Refreshes until SIGINT/SIGTERM; a refresh that cannot reach a source says so and
+/// the next one tries again.
+async fn watch(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<ExitStatus> {
+    let token = crate::shutdown::on_signal();
+    let terminal = std::io::stdout().is_terminal();
+    let mut drain = Drain::default();
+    let mut ticker = tokio::time::interval(args.interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let every = humantime::format_duration(args.interval);
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => break,
+            _ = ticker.tick() => {}
+        }
+        let snapshot = tokio::select! {
+            _ = token.cancelled() => break,
+            s = sources.snapshot(false) => s,
+        };
+        let now = chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC");
+        let mut out = std::io::stdout().lock();
+        if args.json {
+            let line = match snapshot {
+                Ok((status, _)) => {
+                    let rate = drain.sample(Instant::now(), status.backlog());
+                    serde_json::json!({ "at": now.to_string(), "status": status, "drain": rate })
+                }
+                Err(Failure::Unreachable(down)) => {
+                    serde_json::json!({ "at": now.to_string(), "problems": down })
+                }
+                Err(Failure::Other(e)) => {
+                    serde_json::json!({ "at": now.to_string(), "error": redact(&format!("{e:#}")) })
+                }
+            };
+            writeln!(out, "{}", serde_json::to_string(&line)?)?;
+        } else {
+            let body = match snapshot {
+                Ok((status, _)) => {
+                    let rate = drain.sample(Instant::now(), status.backlog());
+                    format!("{}{}\n", status.render(), rate.line())
+                }
+                Err(Failure::Unreachable(down)) => down.iter().map(|p| p.line() + "\n").collect(),
+                Err(Failure::Other(e)) => format!("error: {}\n", redact(&format!("{e:#}"))),
+            };
+            if terminal {
+                write!(out, "\x1b[2J\x1b[H")?;
+            }
+            writeln!(
+                out,
+                "lapse status, prefix {} — {now} (every {every}; Ctrl-C stops)",
+                sources.config.broker.prefix
+            )?;
+            write!(out, "{body}")?;
+            if !terminal {
+                writeln!(out)?;
+            }
+        }
+        out.flush()?;
+    }
+    Ok(ExitStatus::Ok)
+}
