@@ -45,16 +45,16 @@ pub struct StatusArgs {
     #[arg(long)]
     watch: bool,
     /// Time between two refreshes of --watch (e.g. 2s, 1m).
-    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration, requires = "watch")]
     interval: Duration,
     /// With --check: an UNPAID order overdue for longer than this is a problem.
-    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = humantime::parse_duration, requires = "check")]
     max_overdue: Duration,
     /// With --check: an outbox row older than this is a problem.
-    #[arg(long, value_name = "DURATION", default_value = "1m", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "1m", value_parser = humantime::parse_duration, requires = "check")]
     max_outbox_age: Duration,
     /// With --check: more parked messages than this is a problem.
-    #[arg(long, value_name = "COUNT", default_value_t = 0)]
+    #[arg(long, value_name = "COUNT", default_value_t = 0, requires = "check")]
     max_parked: u32,
 }
 
