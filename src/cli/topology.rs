@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Subcommand;
 
-use super::{ExitStatus, print_json};
+use super::{ExitStatus, help, print_json};
 use crate::broker;
 use crate::config::Config;
 use crate::management::Management;
@@ -12,20 +12,47 @@ use crate::topology::{self, Topology};
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {
     /// Show what would be declared, without touching the broker.
+    #[command(after_help = help::after(
+        &["lapse topology plan", "lapse --config prod.toml topology plan --json"],
+        &[help::OK, help::USAGE],
+    ))]
     Plan {
+        /// Print the plan as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Declare every exchange, queue and binding (idempotent).
+    #[command(after_help = help::after(
+        &["lapse topology apply", "lapse topology apply --prune --json"],
+        &[
+            (0, "everything is declared as the tier file says"),
+            (1, "an object exists with other arguments (drift) or a declaration failed"),
+            help::USAGE,
+            (3, "could not reach the broker, or its management API (needed by --prune)"),
+        ],
+    ))]
     Apply {
-        /// Also delete empty wait queues of this prefix that the tier file no longer lists.
+        /// Also delete empty wait queues of this prefix that the tier file no longer
+        /// lists (needs broker.management_url).
         #[arg(long)]
         prune: bool,
+        /// Print {"apply", "prune"} as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Compare the live broker with the tier file; exit 1 on any difference.
+    #[command(after_help = help::after(
+        &["lapse topology verify", "lapse topology verify --json"],
+        &[
+            (0, "the broker matches the tier file"),
+            (1, "drift: an object is missing or differs"),
+            help::USAGE,
+            (3, "could not reach the broker, or its management API when \
+                 broker.management_url is set"),
+        ],
+    ))]
     Verify {
+        /// Print the report as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
@@ -53,6 +80,9 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
         }
         TopologyCommand::Apply { prune, json } => {
             let conn = endpoint.connect("lapse topology").await?;
+            if prune && let Some(m) = &management {
+                m.feature_flags().await?;
+            }
             let report = topology::apply(&conn, &topology).await?;
             let pruned = if prune {
                 let m = management
@@ -80,6 +110,11 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
         }
         TopologyCommand::Verify { json } => {
             let conn = endpoint.connect("lapse topology").await?;
+            // One clear error for an unanswered management API, instead of one failed
+            // check per object.
+            if let Some(m) = &management {
+                m.feature_flags().await?;
+            }
             let report = topology::verify(&conn, management.as_ref(), &vhost, &topology).await?;
             let _ = conn.close(200, "done".into()).await;
             if json {
