@@ -83,6 +83,10 @@ pub fn database(e: &tokio_postgres::Error) -> Option<Failure> {
                 "the database of database.url has no lapse schema, or an old one ({message}); \
                  run `lapse migrate`"
             )),
+            // Connection exceptions and a server starting up or shutting down.
+            code if code.starts_with("08") || code.starts_with("57P") => {
+                Some(unreachable_database(message))
+            }
             _ => None,
         };
     }

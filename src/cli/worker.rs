@@ -131,8 +131,9 @@ fn uses_database(config: &Config) -> bool {
     w.consumer || w.relay || w.releaser || w.sweeper
 }
 
-/// Applies the migrations, waiting with back-off while the database does not answer;
-/// any other failure (refused credentials, a failed migration) is an error. False
+/// Applies the migrations, waiting with back-off while the database does not answer
+/// (or answers that it is starting up); any other failure (refused credentials, a
+/// failed migration) is an error. False
 /// when a signal came first.
 async fn migrate_when_reachable(
     config: &Config,
@@ -143,14 +144,11 @@ async fn migrate_when_reachable(
     loop {
         let error = match db::migrate_with_settings(&config.database.url, &settings).await {
             Ok(_) => return Ok(true),
-            Err(e) => anyhow::Error::new(e),
+            Err(e) if e.is_transient() => e.detail(),
+            Err(e) => return Err(e.into()),
         };
-        let failure = super::explain(&error);
-        if failure.status != ExitStatus::Unreachable {
-            return Err(error);
-        }
         tracing::warn!(
-            error = %failure.message,
+            error = %error,
             retry_in_ms = delay.as_millis() as u64,
             "migrations wait for the database"
         );

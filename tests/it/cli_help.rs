@@ -3,7 +3,7 @@
 //! every argument, names the value of every option that takes one, and ends with
 //! examples and the exit statuses; `--version` and the completion scripts work.
 
-use clap::CommandFactory;
+use clap::{CommandFactory, Parser};
 use lapse::cli::Cli;
 
 use crate::helpers::{run_lapse, stderr, stdout};
@@ -21,6 +21,24 @@ fn commands() -> Vec<(Vec<String>, clap::Command)> {
     let mut out = Vec::new();
     walk(Vec::new(), &Cli::command(), &mut out);
     out
+}
+
+/// The first `lapse ...` command of an example line (up to `&&`, `|` or `>`), parsed
+/// as the binary would: examples must not rot when an option is renamed.
+fn parses(example: &str) -> Result<(), clap::Error> {
+    let Some(start) = example.find("lapse ") else {
+        return Ok(());
+    };
+    let command = example[start..]
+        .split(['|', '>', '&'])
+        .next()
+        .unwrap_or_default();
+    let words = command.split_whitespace().map(|w| w.trim_matches('"'));
+    match Cli::try_parse_from(words) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 #[test]
@@ -78,6 +96,14 @@ fn every_command_describes_its_arguments_and_ends_with_examples_and_exit_codes()
             problems.push(format!(
                 "{shown} --help: the examples show no lapse command"
             ));
+        }
+        for example in examples.lines() {
+            if let Err(e) = parses(example) {
+                problems.push(format!(
+                    "{shown} --help: example `{}` does not parse: {e}",
+                    example.trim()
+                ));
+            }
         }
         let codes: Vec<&str> = statuses
             .lines()
