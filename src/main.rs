@@ -1,26 +1,26 @@
-//! The `lapse` binary: parse the command line, set up telemetry, dispatch.
+//! The `lapse` binary: parse the command line, set up telemetry, dispatch, and turn
+//! an error into its exit status (see `lapse --help`) and a message saying what to do.
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use lapse::cli::{Cli, ExitStatus};
-use lapse::config::ConfigError;
 use lapse::redact::redact;
 
 #[tokio::main]
 async fn main() -> ExitCode {
     lapse::redact::install_panic_hook();
     let cli = Cli::parse();
-    lapse::telemetry::init();
+    if let Err(error) = lapse::telemetry::try_init() {
+        eprintln!("error: {}", redact(&error.to_string()));
+        return ExitCode::from(ExitStatus::Usage as u8);
+    }
     match lapse::cli::run(cli).await {
         Ok(status) => ExitCode::from(status as u8),
         Err(error) => {
-            if let Some(config) = error.downcast_ref::<ConfigError>() {
-                eprintln!("error: {}", redact(&config.to_string()));
-                return ExitCode::from(ExitStatus::Usage as u8);
-            }
-            eprintln!("error: {}", redact(&format!("{error:#}")));
-            ExitCode::from(ExitStatus::Failed as u8)
+            let failure = lapse::cli::explain(&error);
+            eprintln!("error: {}", failure.message);
+            ExitCode::from(failure.status as u8)
         }
     }
 }

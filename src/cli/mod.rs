@@ -1,12 +1,14 @@
 //! The command line: argument definitions and dispatch to the library.
 //!
-//! Exit status: 0 success, 1 the operation failed or was refused by rule (drift, a
-//! payment after the deadline, an extension that would not move the deadline later,
-//! insufficient stock, an order whose stored values cannot be read), 2 bad arguments
-//! or configuration (including a deadline the database refuses as invalid: overflow,
-//! past, beyond `orders.deadline_horizon`), 3 the broker or the database could not be
-//! reached (`status`, `topology verify`).
+//! Exit status of every command: 0 success; 1 a problem was found (drift, a failed
+//! check, a refused request such as a payment after the deadline); 2 usage or
+//! configuration error (the message names the key; also refused credentials, a missing
+//! database or schema, an invalid deadline); 3 the broker or the database could not
+//! be reached. Each command's `--help` ends with examples and its exit statuses.
 
+mod completions;
+mod failure;
+pub mod help;
 mod order;
 mod status;
 mod topology;
@@ -17,6 +19,8 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 use crate::config::{Config, DEFAULT_CONFIG_FILE};
+
+pub use failure::{Failure, explain};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExitStatus {
@@ -31,11 +35,26 @@ pub enum ExitStatus {
 #[command(
     name = "lapse",
     version,
-    about = "Closes unpaid orders when their payment deadline passes"
+    about = "Closes unpaid orders when their payment deadline passes",
+    after_help = help::after(
+        &[
+            "lapse migrate && lapse topology apply && lapse worker",
+            "lapse --config prod.toml status --json",
+            "LAPSE_LOG=debug LAPSE_LOG_FORMAT=json lapse worker",
+            "lapse completions bash > /etc/bash_completion.d/lapse",
+        ],
+        &[
+            help::OK,
+            (1, "a problem was found: drift, a failed check, a refused request"),
+            help::USAGE_DB,
+            help::UNREACHABLE,
+        ],
+    )
 )]
 pub struct Cli {
     /// Configuration file (default: lapse.toml in the working directory, if present).
-    #[arg(long, global = true)]
+    /// Any key can also be set as LAPSE_<SECTION>__<KEY>.
+    #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
@@ -44,22 +63,41 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Plan, apply or verify the broker topology from the tier file.
+    #[command(after_help = help::after(
+        &["lapse topology plan", "lapse topology apply --prune", "lapse topology verify --json"],
+        &[help::OK, (1, "drift or a failed declaration"), help::USAGE, help::UNREACHABLE],
+    ))]
     Topology {
         #[command(subcommand)]
         action: topology::TopologyCommand,
     },
     /// Create the database if needed and apply schema migrations (idempotent).
-    Migrate,
+    #[command(after_help = help::after(
+        &["lapse migrate", "LAPSE_DATABASE__URL=postgres://app@db:5432/shop lapse migrate --json"],
+        &[help::OK, (1, "a migration failed"), help::USAGE, help::UNREACHABLE],
+    ))]
+    Migrate(order::MigrateArgs),
     /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
     Worker(worker::WorkerArgs),
     /// Queue depths and consumers, overdue orders, outbox, parked messages and recent
     /// closes; `--check` for monitoring, `--watch` for a refreshing view.
     Status(status::StatusArgs),
     /// Create, pay, extend or show orders.
+    #[command(after_help = help::after(
+        &[
+            "lapse order create --expires-in 30m --line apple:2",
+            "lapse order pay 42",
+            "lapse order show 42 --json",
+        ],
+        &[help::OK, (1, "the request was refused"), help::USAGE_DB, help::UNREACHABLE],
+    ))]
     Order {
         #[command(subcommand)]
         action: order::OrderCommand,
     },
+    /// Print a shell completion script for bash, zsh or fish on stdout.
+    #[command(after_help = completions::after_help())]
+    Completions(completions::CompletionsArgs),
 }
 
 impl Cli {
@@ -72,13 +110,17 @@ impl Cli {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
+    if let Command::Completions(args) = &cli.command {
+        return completions::run(args);
+    }
     let config = cli.load_config()?;
     match cli.command {
         Command::Topology { action } => topology::run(&config, action).await,
-        Command::Migrate => order::migrate(&config).await,
+        Command::Migrate(args) => order::migrate(&config, args).await,
         Command::Worker(args) => worker::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,
         Command::Status(args) => status::run(&config, args).await,
+        Command::Completions(args) => completions::run(&args),
     }
 }
 

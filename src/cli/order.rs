@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
-use super::{ExitStatus, print_json};
+use super::{ExitStatus, help, print_json};
 use crate::config::Config;
 use crate::db;
 use crate::orders::{self, Deadline, Line, OrderId, PayOutcome};
@@ -12,35 +12,107 @@ use crate::orders::{self, Deadline, Line, OrderId, PayOutcome};
 #[derive(Debug, Subcommand)]
 pub enum OrderCommand {
     /// Create UNPAID orders with a payment deadline; prints their ids.
+    #[command(after_help = help::after(
+        &[
+            "lapse order create --expires-in 30m --line apple:2 --line pear:1",
+            "lapse order create --expires-in 2s500ms --line apple:1 --count 1000 --json",
+        ],
+        &[
+            help::OK,
+            (1, "refused by the database (e.g. insufficient stock); no order was created"),
+            (2, "bad arguments or configuration, or a deadline the database refuses \
+                 (beyond orders.deadline_horizon); no order was created"),
+            help::UNREACHABLE,
+        ],
+    ))]
     Create {
         /// Time until the deadline, by the database clock (e.g. 30m, 2s500ms); at most
         /// orders.deadline_horizon (exit 2 otherwise).
-        #[arg(long, value_parser = humantime::parse_duration)]
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
         expires_in: Duration,
         /// An order line SKU:QTY (repeatable). A new SKU starts with orders.initial_stock.
-        #[arg(long = "line")]
+        #[arg(long = "line", value_name = "SKU:QTY")]
         lines: Vec<Line>,
         /// How many identical orders to create.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = 1,
+            value_parser = clap::value_parser!(u32).range(1..)
+        )]
         count: u32,
+        /// Print the ids as a JSON array on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Pay an order (refused after its deadline; recorded as a late payment after a close).
-    Pay { id: i64 },
-    /// Move an UNPAID order's deadline later, before it passes (exit 1 when refused,
-    /// 2 when the new deadline is invalid, e.g. beyond orders.deadline_horizon).
-    Extend {
+    #[command(after_help = help::after(
+        &["lapse order pay 42", "lapse order pay 42 --json"],
+        &[
+            (0, "paid, or already paid"),
+            (1, "refused: the deadline has passed, the order is closed, or no such order"),
+            help::USAGE_DB,
+            help::UNREACHABLE,
+        ],
+    ))]
+    Pay {
+        /// The order's id (as printed by `lapse order create`).
+        #[arg(value_name = "ID")]
         id: i64,
-        #[arg(long, value_parser = humantime::parse_duration)]
-        by: Duration,
-    },
-    /// Show an order: state, deadline and version, times, lines, ledger and timeline.
-    Show {
-        id: i64,
+        /// Print {"id", "outcome", "message"} as JSON on stdout; outcome is PAID,
+        /// ALREADY_PAID, EXPIRED, LATE or NOT_FOUND.
         #[arg(long)]
         json: bool,
     },
+    /// Move an UNPAID order's deadline later, before it passes (exit 1 when refused,
+    /// 2 when the new deadline is invalid, e.g. beyond orders.deadline_horizon).
+    #[command(after_help = help::after(
+        &["lapse order extend 42 --by 15m", "lapse order extend 42 --by 1h --json"],
+        &[
+            (0, "the deadline was moved"),
+            (1, "refused: not found, not UNPAID, or the deadline has passed"),
+            (2, "bad arguments or configuration, or a new deadline the database refuses \
+                 (beyond orders.deadline_horizon)"),
+            help::UNREACHABLE,
+        ],
+    ))]
+    Extend {
+        /// The order's id.
+        #[arg(value_name = "ID")]
+        id: i64,
+        /// How much later the deadline becomes (e.g. 15m, 1h30m).
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        by: Duration,
+        /// Print {"id", "extended", "deadline_version" | "refused"} as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show an order: state, deadline and version, times, lines, ledger and timeline.
+    #[command(after_help = help::after(
+        &["lapse order show 42", "lapse order show 42 --json | jq .timeline"],
+        &[
+            help::OK,
+            (1, "no such order, or its stored values cannot be read"),
+            help::USAGE_DB,
+            help::UNREACHABLE,
+        ],
+    ))]
+    Show {
+        /// The order's id.
+        #[arg(value_name = "ID")]
+        id: i64,
+        /// Print the order as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `lapse migrate`'s options.
+#[derive(Debug, clap::Args)]
+pub struct MigrateArgs {
+    /// Print {"applied": N} as JSON on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Orders created per transaction by `create --count`.
@@ -90,7 +162,7 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
             }
             Ok(ExitStatus::Ok)
         }
-        OrderCommand::Pay { id } => {
+        OrderCommand::Pay { id, json } => {
             let outcome = orders::pay(&**client, OrderId(id)).await?;
             let (status, text) = match outcome {
                 PayOutcome::Paid => (ExitStatus::Ok, "paid"),
@@ -105,28 +177,45 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
                 ),
                 PayOutcome::NotFound => (ExitStatus::Failed, "refused: no such order"),
             };
-            println!("order {id}: {text}");
+            if json {
+                print_json(&serde_json::json!({ "id": id, "outcome": outcome, "message": text }))?;
+            } else {
+                println!("order {id}: {text}");
+            }
             Ok(status)
         }
-        OrderCommand::Extend { id, by } => {
+        OrderCommand::Extend { id, by, json } => {
+            let refused = |reason: String| -> anyhow::Result<ExitStatus> {
+                if json {
+                    print_json(
+                        &serde_json::json!({ "id": id, "extended": false, "refused": reason }),
+                    )?;
+                } else {
+                    println!("order {id}: refused: {reason}");
+                }
+                Ok(ExitStatus::Failed)
+            };
             match orders::extend_by(&**client, OrderId(id), by).await {
                 Ok(Some(version)) => {
-                    println!(
-                        "order {id}: deadline extended by {}, now version {version}",
-                        humantime::format_duration(by)
-                    );
+                    if json {
+                        print_json(&serde_json::json!({
+                            "id": id,
+                            "extended": true,
+                            "by": humantime::format_duration(by).to_string(),
+                            "deadline_version": version,
+                        }))?;
+                    } else {
+                        println!(
+                            "order {id}: deadline extended by {}, now version {version}",
+                            humantime::format_duration(by)
+                        );
+                    }
                     Ok(ExitStatus::Ok)
                 }
                 Ok(None) => {
-                    println!(
-                        "order {id}: refused: not found, not UNPAID, or the deadline has passed"
-                    );
-                    Ok(ExitStatus::Failed)
+                    refused("not found, not UNPAID, or the deadline has passed".to_string())
                 }
-                Err(db::DbError::Refused(e)) => {
-                    println!("order {id}: refused: {e}");
-                    Ok(ExitStatus::Failed)
-                }
+                Err(db::DbError::Refused(e)) => refused(e),
                 Err(db::DbError::InvalidDeadline(e)) => {
                     eprintln!("--by: {e}; the deadline was not changed");
                     Ok(ExitStatus::Usage)
@@ -217,9 +306,13 @@ fn print_order(v: &orders::OrderView) {
     }
 }
 
-pub async fn migrate(config: &Config) -> anyhow::Result<ExitStatus> {
+pub async fn migrate(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatus> {
     let applied =
         db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config)).await?;
-    println!("{applied} migration(s) applied; the schema is up to date");
+    if args.json {
+        print_json(&serde_json::json!({ "applied": applied }))?;
+    } else {
+        println!("{applied} migration(s) applied; the schema is up to date");
+    }
     Ok(ExitStatus::Ok)
 }

@@ -15,21 +15,21 @@ use crate::status::watch::Drain;
 use crate::status::{Status, StatusError};
 use crate::topology::{Topology, VerifyReport};
 
-const HELP: &str = "\
-Examples:
-  lapse status                      queues and consumers, orders, outbox, closes, releases
-  lapse status --check              one line per problem, nothing when healthy (cron)
-  lapse status --check --json --max-overdue 5m
-  lapse status --watch --interval 5s
-
-Exit status:
-  0  shown; with --check: no problem found; with --watch: stopped by Ctrl-C
-  1  --check found a problem (one line each on stdout); or a failed query
-  2  usage or configuration error
-  3  the broker or the database could not be reached; the line says which and why";
-
 #[derive(Debug, Args)]
-#[command(after_help = HELP)]
+#[command(after_help = super::help::after(
+    &[
+        "lapse status",
+        "lapse status --check",
+        "lapse status --check --json --max-overdue 5m",
+        "lapse status --watch --interval 5s",
+    ],
+    &[
+        (0, "shown; with --check: no problem found; with --watch: stopped by Ctrl-C"),
+        (1, "--check found a problem (one line each on stdout), or a query failed"),
+        super::help::USAGE_DB,
+        (3, "the broker or the database could not be reached; the line says which and why"),
+    ],
+))]
 pub struct StatusArgs {
     /// Print JSON: the status; with --check `{ok, problems}`; with --watch one object
     /// per refresh, one per line.
@@ -130,11 +130,14 @@ impl Sources<'_> {
         if !self.conn.as_ref().is_some_and(|c| c.status().connected()) {
             match self.endpoint.connect("lapse status").await {
                 Ok(conn) => self.conn = Some(conn),
+                // Refused credentials are a configuration error (exit 2), not an outage.
+                Err(e) if super::failure::is_usage(&e) => return Err(Failure::Other(e.into())),
                 Err(e) => down.push(self.broker_down(&e)),
             }
         }
         let client = match self.pool.get().await {
             Ok(client) => Some(client),
+            Err(e) if super::failure::is_usage(&e) => return Err(Failure::Other(e.into())),
             Err(e) => {
                 down.push(self.database_down(&e));
                 None

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Subcommand;
 
-use super::{ExitStatus, print_json};
+use super::{ExitStatus, help, print_json};
 use crate::broker;
 use crate::config::Config;
 use crate::management::Management;
@@ -12,40 +12,53 @@ use crate::topology::{self, Topology};
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {
     /// Show what would be declared, without touching the broker.
+    #[command(after_help = help::after(
+        &["lapse topology plan", "lapse --config prod.toml topology plan --json"],
+        &[help::OK, help::USAGE],
+    ))]
     Plan {
+        /// Print the plan as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Declare every exchange, queue and binding (idempotent).
+    #[command(after_help = help::after(
+        &["lapse topology apply", "lapse topology apply --prune --json"],
+        &[
+            (0, "everything is declared as the tier file says"),
+            (1, "an object exists with other arguments (drift) or a declaration failed"),
+            help::USAGE,
+            (3, "could not reach the broker, or its management API (needed by --prune)"),
+        ],
+    ))]
     Apply {
-        /// Also delete empty wait queues of this prefix that the tier file no longer lists.
+        /// Also delete empty wait queues of this prefix that the tier file no longer
+        /// lists (needs broker.management_url).
         #[arg(long)]
         prune: bool,
+        /// Print {"apply", "prune"} as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Compare the live broker with the tier file: exit 0 when it matches, 1 on any
     /// difference, 3 when the broker or its management API cannot be reached.
-    #[command(after_help = VERIFY_HELP)]
+    #[command(after_help = help::after(
+        &["lapse topology verify", "lapse topology verify --json"],
+        &[
+            (0, "the broker matches the tier file (skipped checks are listed, not failed)"),
+            (1, "drift: a missing object, different arguments, an overriding policy, a \
+                 missing binding or a disabled feature flag"),
+            help::USAGE,
+            (3, "the broker, or the management API (broker.management_url), could not be \
+                 reached; the line says which and why (connection refused, TLS)"),
+        ],
+    ))]
     Verify {
-        /// Print the checks as JSON.
+        /// Print the report as JSON on stdout.
         #[arg(long)]
         json: bool,
     },
 }
-
-const VERIFY_HELP: &str = "\
-Examples:
-  lapse topology verify
-  lapse topology verify --json
-
-Exit status:
-  0  the broker matches the tier file (skipped checks are listed, not failed)
-  1  drift: a missing object, different arguments, an overriding policy, a missing
-     binding or a disabled feature flag
-  2  usage or configuration error
-  3  the broker, or the management API (broker.management_url), could not be reached;
-     the line says which and why (connection refused, TLS, 401)";
 
 pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<ExitStatus> {
     let names = config.names();
@@ -69,6 +82,9 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
         }
         TopologyCommand::Apply { prune, json } => {
             let conn = endpoint.connect("lapse topology").await?;
+            if prune && let Some(m) = &management {
+                m.feature_flags().await?;
+            }
             let report = topology::apply(&conn, &topology).await?;
             let pruned = if prune {
                 let m = management
@@ -95,22 +111,10 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             })
         }
         TopologyCommand::Verify { json } => {
-            let unreachable = |e: broker::BrokerError| {
-                eprintln!(
-                    "error: cannot reach the broker at {}: {e}",
-                    broker::shown_address(&config.broker.url)
-                );
-                Ok(ExitStatus::Unreachable)
-            };
-            let conn = match endpoint.connect("lapse topology").await {
-                Ok(conn) => conn,
-                Err(e) => return unreachable(e),
-            };
-            let report = match topology::verify(&conn, management.as_ref(), &vhost, &topology).await
-            {
-                Ok(report) => report,
-                Err(e) => return unreachable(e),
-            };
+            // Connect errors are explained by the caller: refused credentials are a
+            // configuration error (2), no answer is exit 3.
+            let conn = endpoint.connect("lapse topology").await?;
+            let report = topology::verify(&conn, management.as_ref(), &vhost, &topology).await?;
             broker::close_quietly(&conn, "done").await;
             if json {
                 print_json(&report)?;
@@ -119,7 +123,13 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             }
             if let Some(why) = &report.management_unreachable {
                 eprintln!("error: {why}");
-                return Ok(ExitStatus::Unreachable);
+                // A refused login heals only by changing the configuration.
+                let refused = why.contains("401 Unauthorized") || why.contains("403 Forbidden");
+                return Ok(if refused {
+                    ExitStatus::Usage
+                } else {
+                    ExitStatus::Unreachable
+                });
             }
             Ok(if report.ok() {
                 ExitStatus::Ok

@@ -2,15 +2,19 @@
 //!
 //! Exit status: 0 only for a SIGINT/SIGTERM shutdown that drained within
 //! `worker.drain_timeout`; 1 when a component failed fatally (e.g. the broker refused
-//! the credentials) or the drain limit was reached; 2 for bad configuration.
+//! the credentials) or the drain limit was reached; 2 for bad configuration, and for
+//! what no retry can heal at startup: the database refuses the credentials, or it (or
+//! its schema) does not exist while `worker.migrate_on_start` is off. A database or
+//! broker that merely does not answer is waited for (with back-off), not an exit.
 
 use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Args;
 
-use super::ExitStatus;
+use super::{ExitStatus, help};
 use crate::config::Config;
+use crate::db;
 use crate::http;
 use crate::service::Service;
 use crate::shutdown;
@@ -18,6 +22,24 @@ use crate::stats::Stats;
 use crate::supervisor::Stop;
 
 #[derive(Debug, Args)]
+#[command(after_help = help::after(
+    &[
+        "lapse worker",
+        "lapse worker --metrics-listen 127.0.0.1:9464",
+        "lapse worker --no-sweeper --no-releaser",
+        "LAPSE_LOG=lapse=debug LAPSE_LOG_FORMAT=json lapse worker",
+    ],
+    &[
+        (0, "stopped by SIGINT/SIGTERM and drained within worker.drain_timeout"),
+        (1, "a component failed fatally (e.g. the broker refused the credentials), or \
+             the drain limit was reached"),
+        (2, "bad arguments or configuration; at startup also a database that refuses the \
+             credentials, or that does not exist (or has no schema) while \
+             worker.migrate_on_start is off: run `lapse migrate`"),
+        (3, "never: an unreachable broker or database is retried with back-off and \
+             shown on GET /health"),
+    ],
+))]
 pub struct WorkerArgs {
     /// Do not consume the due queue.
     #[arg(long)]
@@ -33,7 +55,7 @@ pub struct WorkerArgs {
     no_sweeper: bool,
     /// Serve GET /metrics (Prometheus), GET /livez and GET /health on this address (e.g.
     /// 127.0.0.1:9464); an address that cannot be bound is a startup error.
-    #[arg(long)]
+    #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
 }
 
@@ -54,6 +76,14 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
         None => None,
     };
     let token = shutdown::on_signal();
+    if config.worker.migrate_on_start {
+        if !migrate_when_reachable(&config, &token).await? {
+            return Ok(ExitStatus::Ok);
+        }
+        config.worker.migrate_on_start = false;
+    } else {
+        check_database(&config).await?;
+    }
     let stats = Stats::default();
     let mut service = Service::start(&config, stats.clone(), token.clone()).await?;
     if let Some((listener, metrics)) = endpoint {
@@ -94,4 +124,79 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
             Ok(ExitStatus::Failed)
         }
     }
+}
+
+fn uses_database(config: &Config) -> bool {
+    let w = &config.worker;
+    w.consumer || w.relay || w.releaser || w.sweeper
+}
+
+/// Applies the migrations, waiting with back-off while the database does not answer
+/// (or answers that it is starting up); any other failure (refused credentials, a
+/// failed migration) is an error. False
+/// when a signal came first.
+async fn migrate_when_reachable(
+    config: &Config,
+    token: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<bool> {
+    let settings = db::Settings::from_config(config);
+    let mut delay = std::time::Duration::from_millis(500);
+    loop {
+        let error = match db::migrate_with_settings(&config.database.url, &settings).await {
+            Ok(_) => return Ok(true),
+            Err(e) if e.is_transient() => e.detail(),
+            Err(e) => return Err(e.into()),
+        };
+        tracing::warn!(
+            error = %error,
+            retry_in_ms = delay.as_millis() as u64,
+            "migrations wait for the database"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = token.cancelled() => return Ok(false),
+        }
+        delay = (delay * 2).min(std::time::Duration::from_secs(10));
+    }
+}
+
+/// With `worker.migrate_on_start` off: refuses to start when the database refuses the
+/// credentials, or it or its schema does not exist. A database that does not answer
+/// is left to the components, which retry with back-off and show it on /health.
+async fn check_database(config: &Config) -> anyhow::Result<()> {
+    if !uses_database(config) {
+        return Ok(());
+    }
+    let mut pg = db::pg_config(&config.database.url)?;
+    pg.connect_timeout(std::time::Duration::from_secs(5));
+    let (client, connection) = match db::connect(&pg).await {
+        Ok(pair) => pair,
+        Err(db::DbError::Postgres(e)) => {
+            return match super::failure::database(&e) {
+                Some(f) if f.status == ExitStatus::Usage => Err(e.into()),
+                _ => {
+                    tracing::warn!(error = %db::DbError::Postgres(e).detail(), "the database does not answer yet; the components retry");
+                    Ok(())
+                }
+            };
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let driver = tokio::spawn(connection);
+    let schema: bool = client
+        .query_one("SELECT to_regclass('lapse_settings') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    drop(client);
+    let _ = driver.await;
+    if !schema {
+        return Err(crate::config::ConfigError {
+            key: "database.url".into(),
+            problem: "the database has no lapse schema; run `lapse migrate` (or set \
+                      worker.migrate_on_start = true)"
+                .into(),
+        }
+        .into());
+    }
+    Ok(())
 }

@@ -1,5 +1,7 @@
 //! One typed configuration tree: named defaults, then the TOML file, then
 //! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
+//! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys (see
+//! [`crate::telemetry`]).
 //!
 //! Invariants: every error names the key it is about; credentials (the broker and
 //! database URLs) never appear in `Debug` output or in error messages.
@@ -288,7 +290,7 @@ impl Config {
         }
         let figment = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::file(file))
-            .merge(Env::prefixed("LAPSE_").split("__"));
+            .merge(env());
         Self::from_figment(figment)
     }
 
@@ -354,6 +356,18 @@ impl Config {
     pub fn names(&self) -> Names {
         Names::new(self.broker.prefix.clone())
     }
+}
+
+/// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
+/// ones ([`crate::telemetry::ENV_VARS`]), which are read by the telemetry setup.
+pub fn env() -> Env {
+    Env::prefixed("LAPSE_")
+        .filter(|key| {
+            !crate::telemetry::ENV_VARS
+                .iter()
+                .any(|var| var.strip_prefix("LAPSE_").is_some_and(|v| key == v))
+        })
+        .split("__")
 }
 
 fn positive(key: &str, value: u64) -> Result<(), ConfigError> {

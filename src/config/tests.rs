@@ -28,6 +28,20 @@ fn defaults_without_a_file() {
 }
 
 #[test]
+fn the_logging_variables_are_not_configuration_keys() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        jail.set_env("LAPSE_LOG", "debug");
+        jail.set_env("LAPSE_LOG_FORMAT", "json");
+        assert!(load().is_ok());
+        // Any other top-level LAPSE_ variable is still an unknown key.
+        jail.set_env("LAPSE_LOGS", "debug");
+        assert_eq!(load().unwrap_err().key, "logs");
+        Ok(())
+    });
+}
+
+#[test]
 fn env_overrides_file() {
     Jail::expect_with(|jail| {
         with_tier_file(jail);

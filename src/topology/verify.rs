@@ -166,8 +166,14 @@ async fn verify_with_management(
     match m.feature_flags().await {
         Err(e) if e.unreachable_reason().is_some() => {
             let why = e.unreachable_reason().unwrap_or_default();
+            let hint = if why.contains("refused") {
+                "; enable the plugin (`rabbitmq-plugins enable rabbitmq_management`) or \
+                 correct broker.management_url"
+            } else {
+                ""
+            };
             let detail = format!(
-                "cannot reach the management API at {}: {why}; its checks were not made",
+                "cannot reach the management API at {}: {why}; its checks were not made{hint}",
                 m.shown_url()
             );
             report.push(

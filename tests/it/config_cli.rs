@@ -202,3 +202,76 @@ fn bad_arguments_exit_2() {
     let out = run_lapse(&["topology", "frobnicate"], &[]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `LAPSE_LOG` filters and `LAPSE_LOG_FORMAT` formats the logs; neither is taken for a
+/// configuration key, and a bad value is exit 2 naming the variable.
+#[tokio::test]
+async fn the_logging_variables_work_and_are_not_configuration_keys() {
+    let tiers = tempfile::tempdir().unwrap();
+    let tier_file = tiers.path().join("tiers.toml");
+    std::fs::write(&tier_file, "tiers = [\"1s\"]").unwrap();
+    let tier_file = tier_file.to_str().unwrap().to_string();
+    let base = [("LAPSE_TOPOLOGY__FILE", tier_file.as_str())];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut vars: Vec<(&str, &str)> = base.to_vec();
+        vars.extend_from_slice(extra);
+        vars
+    };
+
+    let out = run_lapse(
+        &["topology", "plan"],
+        &with(&[("LAPSE_LOG_FORMAT", "json"), ("LAPSE_LOG", "debug")]),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    // `lapse migrate` of a new database logs "created database" at info.
+    let migrate = |extra: &[(&'static str, &'static str)]| {
+        let name = crate::helpers::unique("log");
+        let url = crate::helpers::database_url(&name);
+        let mut vars = with(extra);
+        vars.push(("LAPSE_DATABASE__URL", url.as_str()));
+        let out = run_lapse(&["migrate"], &vars);
+        (name, out)
+    };
+    let (json_db, out) = migrate(&[("LAPSE_LOG_FORMAT", "json")]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("created database"))
+        .unwrap_or_else(|| panic!("no log line: {err}"));
+    let event: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+    assert_eq!(event["level"], "INFO", "{line}");
+    assert_eq!(event["fields"]["message"], "created database", "{line}");
+
+    let (text_db, out) = migrate(&[("LAPSE_LOG", "info")]);
+    let err = stderr(&out);
+    assert!(
+        err.lines()
+            .any(|l| l.contains("INFO") && l.contains("created database")),
+        "{err}"
+    );
+    assert!(serde_json::from_str::<serde_json::Value>(err.lines().next().unwrap_or("")).is_err());
+    assert!(
+        !err.contains('\u{1b}'),
+        "no colour codes off a terminal: {err}"
+    );
+
+    let (quiet_db, out) = migrate(&[("LAPSE_LOG", "warn")]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("created database"),
+        "{}",
+        stderr(&out)
+    );
+
+    for name in [json_db, text_db, quiet_db] {
+        crate::helpers::drop_database(&name).await;
+    }
+
+    for (var, value) in [("LAPSE_LOG_FORMAT", "xml"), ("LAPSE_LOG", "lapse=loud")] {
+        let out = run_lapse(&["topology", "plan"], &with(&[(var, value)]));
+        assert_eq!(out.status.code(), Some(2), "{var}={value}");
+        assert!(stderr(&out).contains(var), "{var}: {}", stderr(&out));
+    }
+}

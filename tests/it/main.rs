@@ -5,7 +5,9 @@
 mod alarm;
 mod backlog;
 mod chain;
+mod cli_help;
 mod cli_orders;
+mod cli_startup;
 mod config_cli;
 mod endpoints;
 mod helpers;
