@@ -7,6 +7,7 @@
 //! past, beyond `orders.deadline_horizon`).
 
 mod order;
+mod parked;
 mod topology;
 mod worker;
 
@@ -58,6 +59,11 @@ pub enum Command {
         #[command(subcommand)]
         action: order::OrderCommand,
     },
+    /// List, show, replay or purge parked messages.
+    Parked {
+        #[command(subcommand)]
+        action: parked::ParkedCommand,
+    },
 }
 
 impl Cli {
@@ -77,6 +83,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Worker(args) => worker::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,
         Command::Status { json } => status(&config, json).await,
+        Command::Parked { action } => parked::run(&config, action).await,
     }
 }
 
