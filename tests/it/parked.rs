@@ -98,7 +98,12 @@ async fn parked_delivery_limit(env: &TestEnv, limit: Option<i64>) {
 #[tokio::test]
 async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable_ones_carry_a_reason()
  {
-    let env = applied(&["1s", "1m"]).await;
+    let env = TestEnv::new(&["1s", "1m"]).await;
+    env.write_tiers(&["1s", "1m"], "delivery_limit = 1");
+    let report = lapse::topology::apply(&env.conn, &env.topology())
+        .await
+        .unwrap();
+    assert!(report.ok(), "{report:?}");
     let parked = env.names().parked();
     parked_delivery_limit(&env, Some(2)).await;
     eventually(Duration::from_secs(20), "the policy applies", || async {
@@ -149,9 +154,46 @@ async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable
     )
     .await;
 
+    // A poison timeout: returned by its consumer over the due queue's delivery limit,
+    // the broker dead-letters it to parked with its own reason.
+    let poison = timeout(43, expire_at, 1);
+    publish(
+        &env,
+        &env.names().due_exchange(),
+        "due",
+        &poison.encode(),
+        poison.properties(),
+    )
+    .await;
+    let due = env.names().due_queue();
+    for _ in 0..3 {
+        if let Some(m) = channel
+            .basic_get(due.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+        {
+            m.delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: true })
+                .await
+                .unwrap();
+        }
+    }
+    eventually(Duration::from_secs(10), "the poison is parked", || async {
+        (queues::depth(&env.conn, &parked).await == Some(3)).then_some(())
+    })
+    .await;
+
     for round in 0..5 {
         let entries = list(&env);
-        assert_eq!(entries.len(), 2, "round {round}: {entries:?}");
+        assert_eq!(entries.len(), 3, "round {round}: {entries:?}");
+        assert_eq!(entries[2]["id"], "timeout-43-v1");
+        assert_eq!(entries[2]["reason_source"], "broker");
+        assert_eq!(
+            entries[2]["reason"],
+            format!("broker: delivery_limit in {due}").as_str()
+        );
+        assert!(entries[2]["parked_at"].is_string(), "{entries:?}");
         assert_eq!(entries[0]["id"], "timeout-41-v2");
         assert_eq!(entries[0]["order_id"], 41);
         assert_eq!(entries[0]["deadline_version"], 2);
