@@ -285,6 +285,17 @@ async fn purge_asks_for_yes_and_removes_only_the_selected() {
     assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
     assert_eq!(list(&env).len(), 3);
 
+    // On a terminal it asks: anything but "yes" purges nothing.
+    if let Some(no) = on_a_terminal(&env, &["parked", "purge", &raw], "no") {
+        assert_eq!(no.status.code(), Some(1), "{}", stdout(&no));
+        assert!(stdout(&no).contains("nothing purged"), "{}", stdout(&no));
+        assert_eq!(list(&env).len(), 3);
+        let yes = on_a_terminal(&env, &["parked", "purge", &raw], "yes").unwrap();
+        assert_eq!(yes.status.code(), Some(0), "{}", stdout(&yes));
+        assert_eq!(list(&env).len(), 2);
+        park(&env, b"\xff garbage", "body is not a JSON timeout message").await;
+    }
+
     let purged = json_out(&env.lapse(&["parked", "purge", &raw, "--yes", "--json"]));
     assert_eq!(purged["messages"][0]["outcome"], "purged");
     let purged = env.lapse(&["parked", "purge", "--reason", "unavailable", "--yes"]);
@@ -292,5 +303,37 @@ async fn purge_asks_for_yes_and_removes_only_the_selected() {
     let left = list(&env);
     assert_eq!(left.len(), 1);
     assert_eq!(left[0]["id"], "timeout-2-v1");
+    assert!(
+        !left[0]["reason"].as_str().unwrap().contains("unavailable"),
+        "{left:?}"
+    );
     env.cleanup().await;
+}
+
+/// Runs `lapse` with its stdin on a pseudo-terminal (util-linux `script`), typing
+/// `answer`; `None` (and a note) where `script` is not installed.
+fn on_a_terminal(env: &TestEnv, args: &[&str], answer: &str) -> Option<std::process::Output> {
+    use std::io::Write;
+    let mut command = format!(
+        "'{}' --config '{}'",
+        env!("CARGO_BIN_EXE_lapse"),
+        env.config_path().display()
+    );
+    for a in args {
+        command.push_str(&format!(" '{a}'"));
+    }
+    let child = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("`script` is not installed: the interactive purge prompt is not tested");
+        return None;
+    };
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{answer}").unwrap();
+    drop(stdin);
+    Some(child.wait_with_output().unwrap())
 }
