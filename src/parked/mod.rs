@@ -86,6 +86,11 @@ pub enum ParkedError {
     #[error("the parked queue `{0}` does not exist: run `lapse topology apply` first")]
     NoQueue(String),
     #[error(
+        "stopped: {0}; the messages of the unfinished chunk stay parked (earlier chunks are done); \
+         run `lapse parked list` once the broker accepts publishes again"
+    )]
+    Stalled(String),
+    #[error(
         "another `lapse parked` command is working on `{0}` right now; try again when it has finished"
     )]
     Busy(String),
@@ -243,7 +248,18 @@ impl Pass {
             }
             pending.push((delivery, entry, outcome));
         }
-        let mut results = publisher.publish_all(first).await.into_iter();
+        let results = publisher.publish_all(first).await;
+        // No confirm at all (a broker alarm blocks publishing): stop before the next
+        // chunk waits too; nothing of this chunk is acknowledged, so all of it returns.
+        if let Some(Err(e)) = results.iter().find(|r| {
+            matches!(
+                r,
+                Err(BrokerError::ConfirmTimeout { .. } | BrokerError::Blocked { .. })
+            )
+        }) {
+            return Err(ParkedError::Stalled(e.to_string()));
+        }
+        let mut results = results.into_iter();
         let mut items = Vec::with_capacity(pending.len());
         let mut retry = Vec::new();
         for (delivery, entry, outcome) in pending {

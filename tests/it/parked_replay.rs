@@ -1,6 +1,6 @@
 //! `lapse parked replay` against the real broker and database: a replay leaves parked
 //! only after its destination confirmed; a timeout closes its order, a release
-//! releases stock once.
+//! releases stock once; a pass the broker stops confirming (an alarm) loses nothing.
 
 use std::time::Duration;
 
@@ -207,5 +207,67 @@ async fn a_replayed_release_releases_stock_exactly_once() {
     );
     drop(db);
     let _ = channel.close(200, "done".into()).await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_during_a_broker_alarm_stops_and_loses_nothing() {
+    let env = TestEnv::new(&["1s"]).await;
+    let rabbit = tokio::task::block_in_place(crate::private_rabbit::PrivateRabbit::start);
+    let url = lapse::config::Secret::new(rabbit.amqp_url());
+    let conn = lapse::broker::connect(&url, "lapse test").await.unwrap();
+    assert!(
+        lapse::topology::apply(&conn, &env.topology())
+            .await
+            .unwrap()
+            .ok()
+    );
+    let publisher = lapse::broker::Publisher::new(&conn).await.unwrap();
+    let expire_at = Utc::now() + chrono::Duration::minutes(10);
+    for order in [1, 2] {
+        let props = lapse::message::parked_properties(&Default::default(), "database unavailable");
+        let body = timeout(order, expire_at, 1).encode();
+        publisher
+            .publish(&env.names().parked(), "", &body, props)
+            .await
+            .unwrap();
+    }
+    let config = env.dir.path().join("private.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[broker]\nurl = {:?}\nprefix = {:?}\nconfirm_timeout = \"2s\"\n\n[topology]\nfile = {:?}\n",
+            rabbit.amqp_url(),
+            env.prefix,
+            env.tier_path().display().to_string()
+        ),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let mut full = vec!["--config", config.to_str().unwrap()];
+        full.extend_from_slice(args);
+        crate::helpers::run_lapse(&full, &[])
+    };
+
+    tokio::task::block_in_place(|| rabbit.raise_memory_alarm());
+    let stopped = tokio::task::block_in_place(|| run(&["parked", "replay", "--all"]));
+    assert_eq!(stopped.status.code(), Some(1), "{}", stdout(&stopped));
+    assert!(
+        crate::helpers::stderr(&stopped).contains("stopped"),
+        "{}",
+        crate::helpers::stderr(&stopped)
+    );
+    tokio::task::block_in_place(|| rabbit.clear_memory_alarm());
+    let listed = tokio::task::block_in_place(|| run(&["parked", "list", "--json"]));
+    let entries: Value = json_out(&listed);
+    let ids: Vec<&str> = entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["timeout-1-v1", "timeout-2-v1"], "nothing lost");
+    let _ = conn.close(200, "done".into()).await;
+    drop(rabbit);
     env.cleanup().await;
 }
