@@ -73,7 +73,7 @@ impl Entry {
         let body = &delivery.data;
         let timeout = TimeoutMessage::decode(body).ok();
         let release = if timeout.is_none() {
-            release_order(body)
+            release_order(body, properties.message_id().as_ref().map(|m| m.as_str()))
         } else {
             None
         };
@@ -137,15 +137,17 @@ impl Entry {
     }
 }
 
-/// The order of a stock-release event body (`{"order_id": N, ...}`, no `expire_at`).
-fn release_order(body: &[u8]) -> Option<i64> {
+/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
+/// close writes it, or any body with an integer `order_id` published as `release-N`.
+/// Anything else (say, an outbox row the relay parked as "not a timeout intent") is not
+/// a release, so replay never turns it into one.
+fn release_order(body: &[u8], message_id: Option<&str>) -> Option<i64> {
     let Value::Object(fields) = serde_json::from_slice::<Value>(body).ok()? else {
         return None;
     };
-    if fields.contains_key("expire_at") {
-        return None;
-    }
-    fields.get("order_id")?.as_i64()
+    let order = fields.get("order_id")?.as_i64()?;
+    let named = message_id == Some(format!("release-{order}").as_str());
+    ((fields.contains_key("lines") || named) && !fields.contains_key("expire_at")).then_some(order)
 }
 
 /// 64-bit FNV-1a: stable across runs and versions (unlike the std hasher).
@@ -259,12 +261,31 @@ mod tests {
 
     #[test]
     fn ids_are_stable_and_distinguish_kinds() {
-        assert_eq!(release_order(br#"{"order_id": 7, "lines": []}"#), Some(7));
         assert_eq!(
-            release_order(br#"{"v":1,"order_id":7,"expire_at":"x","deadline_version":1}"#),
+            release_order(br#"{"order_id": 7, "lines": []}"#, None),
+            Some(7)
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7}"#, Some("release-7")),
+            Some(7)
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7}"#, Some("release-8")),
             None
         );
-        assert_eq!(release_order(b"not json"), None);
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "deadline_version": 1}"#, None),
+            None,
+            "an intent without a deadline is not a release"
+        );
+        assert_eq!(
+            release_order(
+                br#"{"v":1,"order_id":7,"expire_at":"x","deadline_version":1,"lines":[]}"#,
+                None
+            ),
+            None
+        );
+        assert_eq!(release_order(b"not json", Some("release-7")), None);
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
     }
