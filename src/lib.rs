@@ -18,6 +18,7 @@
 //! - [`deadline`]: what a deadline may be (range, rounding up, checked durations).
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
 //! - [`message`]: the timeout message, its encoding and its next route.
+//! - [`parked`]: `lapse parked` — list, show, replay and purge parked messages without losing one.
 //! - [`close`]: the one guarded close path, shared by worker and sweeper.
 //! - [`worker`]: the due-queue consumer and its decision table.
 //! - [`relay`]: outbox -> broker with publisher confirms.
@@ -50,6 +51,7 @@ pub mod http;
 pub mod management;
 pub mod message;
 pub mod orders;
+pub mod parked;
 pub mod publishing;
 pub mod rate;
 pub mod reconciler;

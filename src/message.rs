@@ -16,6 +16,8 @@ use crate::topology::{DUE_ROUTING_KEY, Names};
 pub const MESSAGE_VERSION: u32 = 1;
 /// Header set on messages the worker parks.
 pub const PARK_REASON_HEADER: &str = "x-lapse-park-reason";
+/// Header set on messages lapse parks: when (RFC 3339, UTC), for `lapse parked list`.
+pub const PARKED_AT_HEADER: &str = "x-lapse-parked-at";
 
 /// A timeout for one (order, deadline version).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,6 +84,9 @@ impl TimeoutMessage {
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"))
             .with_message_id(ShortString::from(self.message_id()))
+            // When it was published: for a publish the delay exchange's alternate route
+            // parks (a tier without a queue), also when it was parked.
+            .with_timestamp(Utc::now().timestamp().try_into().unwrap_or_default())
     }
 
     /// Time left until the deadline by the database clock (zero once passed).
@@ -130,12 +135,17 @@ impl Route {
     }
 }
 
-/// Properties of a parked copy: the original's, plus the reason header.
+/// Properties of a parked copy: the original's, plus the reason and parked-at headers.
 pub fn parked_properties(original: &BasicProperties, reason: &str) -> BasicProperties {
     let mut headers = original.headers().clone().unwrap_or_default();
     headers.insert(
         ShortString::from(PARK_REASON_HEADER),
         AMQPValue::LongString(LongString::from(reason)),
+    );
+    let now = Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    headers.insert(
+        ShortString::from(PARKED_AT_HEADER),
+        AMQPValue::LongString(LongString::from(now)),
     );
     original.clone().with_headers(headers)
 }

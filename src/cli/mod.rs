@@ -10,6 +10,7 @@ mod completions;
 mod failure;
 pub mod help;
 mod order;
+mod parked;
 mod status;
 mod topology;
 mod worker;
@@ -98,6 +99,11 @@ pub enum Command {
     /// Print a shell completion script for bash, zsh or fish on stdout.
     #[command(after_help = completions::after_help())]
     Completions(completions::CompletionsArgs),
+    /// List, show, replay or purge parked messages.
+    Parked {
+        #[command(subcommand)]
+        action: parked::ParkedCommand,
+    },
 }
 
 impl Cli {
@@ -121,6 +127,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Order { action } => order::run(&config, action).await,
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),
+        Command::Parked { action } => parked::run(&config, action).await,
     }
 }
 

@@ -17,6 +17,8 @@ mod legacy_rows;
 mod liveness;
 mod locks;
 mod outage;
+mod parked;
+mod parked_replay;
 mod pipeline;
 mod private_pg;
 mod private_rabbit;

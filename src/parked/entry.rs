@@ -1,0 +1,317 @@
+//! What one parked message is: its stable ID, kind, order, deadline, version,
+//! attempts, why it was parked and when — read from its body and headers alone.
+//!
+//! The ID is derived, never stored, so it is the same for messages parked by any
+//! version of lapse, by the broker (dead-lettered over a delivery limit) or by the
+//! delay exchange's alternate route, and every copy of one message shares it:
+//! `timeout-<order>-v<version>` for a timeout, `release-<order>` for a stock-release
+//! event, `raw-<16 hex digits>` (a hash of the body) for a body lapse cannot read.
+
+use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use lapin::BasicProperties;
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::message::{
+    PARK_REASON_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
+};
+use crate::redelivery::{DELIVERY_COUNT_HEADER, returns_so_far};
+use crate::topology::Names;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// A timeout message: replayed to its wait tier or the due queue.
+    Timeout,
+    /// A stock-release event: replayed to `<P>.stock.release`.
+    Release,
+    /// A body lapse cannot read: shown and purged, never replayed.
+    Unreadable,
+}
+
+/// Who gave the reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReasonSource {
+    /// The `x-lapse-park-reason` header lapse sets when it parks.
+    Lapse,
+    /// The broker's dead-lettering headers (`x-first-death-reason`, `x-death`).
+    Broker,
+    /// Recognised by lapse: published to `<P>.delay` for a tier without a queue, so
+    /// the delay exchange's alternate route put it in parked with no header at all.
+    Unroutable,
+    /// None of the above.
+    Unknown,
+}
+
+/// One parked message as the operator sees it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Entry {
+    pub id: String,
+    pub kind: Kind,
+    pub order_id: Option<i64>,
+    pub deadline: Option<DateTime<Utc>>,
+    pub deadline_version: Option<i32>,
+    /// A timeout's database retries; otherwise the returns counted by lapse and the broker.
+    pub attempts: u32,
+    pub reason: String,
+    pub reason_source: ReasonSource,
+    pub parked_at: Option<DateTime<Utc>>,
+    /// The exchange and routing key it was last published with.
+    pub exchange: String,
+    pub routing_key: String,
+    #[serde(skip)]
+    pub timeout: Option<TimeoutMessage>,
+}
+
+impl Entry {
+    pub fn read(delivery: &Delivery, names: &Names) -> Self {
+        let properties = &delivery.properties;
+        let headers = properties.headers().as_ref();
+        let body = &delivery.data;
+        let timeout = TimeoutMessage::decode(body).ok();
+        let release = if timeout.is_none() {
+            release_order(body, properties.message_id().as_ref().map(|m| m.as_str()))
+        } else {
+            None
+        };
+        let (id, kind) = match (&timeout, release) {
+            (Some(m), _) => (
+                format!("timeout-{}-v{}", m.order_id, m.deadline_version),
+                Kind::Timeout,
+            ),
+            (None, Some(order)) => (format!("release-{order}"), Kind::Release),
+            (None, None) => (format!("raw-{:016x}", fnv1a(body)), Kind::Unreadable),
+        };
+        let exchange = delivery.exchange.to_string();
+        let routing_key = delivery.routing_key.to_string();
+        let unroutable = exchange == names.delay_exchange();
+        let (reason, reason_source) = if let Some(r) = park_reason(headers) {
+            (r, ReasonSource::Lapse)
+        } else if let Some(r) = broker_reason(headers) {
+            (r, ReasonSource::Broker)
+        } else if unroutable {
+            (
+                format!(
+                    "unroutable: tier {routing_key} has no wait queue ({}{routing_key} missing); \
+                     the delay exchange's alternate route parked it",
+                    names.wait_queue_prefix()
+                ),
+                ReasonSource::Unroutable,
+            )
+        } else {
+            ("unknown: no reason header".into(), ReasonSource::Unknown)
+        };
+        let parked_at = header_text(headers, PARKED_AT_HEADER)
+            .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
+            .map(|t| t.with_timezone(&Utc))
+            .or_else(|| last_death_time(headers))
+            .or_else(|| {
+                (reason_source == ReasonSource::Unroutable)
+                    .then(|| published_at(properties))
+                    .flatten()
+            });
+        Self {
+            id,
+            kind,
+            order_id: timeout.as_ref().map(|m| m.order_id).or(release),
+            deadline: timeout.as_ref().map(|m| m.expire_at),
+            deadline_version: timeout.as_ref().map(|m| m.deadline_version),
+            attempts: timeout
+                .as_ref()
+                .map_or_else(|| returns_so_far(properties), |m| m.attempt),
+            reason,
+            reason_source,
+            parked_at,
+            exchange,
+            routing_key,
+            timeout,
+        }
+    }
+
+    /// True when `needle` occurs in the reason, ignoring case.
+    pub fn reason_matches(&self, needle: &str) -> bool {
+        self.reason.to_lowercase().contains(&needle.to_lowercase())
+    }
+}
+
+/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
+/// close writes it, or any body with an integer `order_id` published as `release-N`.
+/// Anything else (say, an outbox row the relay parked as "not a timeout intent") is not
+/// a release, so replay never turns it into one.
+fn release_order(body: &[u8], message_id: Option<&str>) -> Option<i64> {
+    let Value::Object(fields) = serde_json::from_slice::<Value>(body).ok()? else {
+        return None;
+    };
+    let order = fields.get("order_id")?.as_i64()?;
+    let named = message_id == Some(format!("release-{order}").as_str());
+    ((fields.contains_key("lines") || named) && !fields.contains_key("expire_at")).then_some(order)
+}
+
+/// 64-bit FNV-1a: stable across runs and versions (unlike the std hasher).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The broker's reason on a message it dead-lettered, with the queue it left.
+fn broker_reason(headers: Option<&FieldTable>) -> Option<String> {
+    let reason =
+        header_text(headers, "x-first-death-reason").or_else(|| death_field(headers, "reason"))?;
+    let queue =
+        header_text(headers, "x-first-death-queue").or_else(|| death_field(headers, "queue"));
+    Some(match queue {
+        Some(q) => format!("broker: {reason} in {q}"),
+        None => format!("broker: {reason}"),
+    })
+}
+
+fn last_death(headers: Option<&FieldTable>) -> Option<&FieldTable> {
+    match headers?.inner().get("x-death")? {
+        AMQPValue::FieldArray(deaths) => match deaths.as_slice().first()? {
+            AMQPValue::FieldTable(t) => Some(t),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn death_field(headers: Option<&FieldTable>, key: &str) -> Option<String> {
+    header_text(last_death(headers), key)
+}
+
+fn last_death_time(headers: Option<&FieldTable>) -> Option<DateTime<Utc>> {
+    match last_death(headers)?.inner().get("time")? {
+        AMQPValue::Timestamp(secs) => Utc.timestamp_opt(i64::try_from(*secs).ok()?, 0).single(),
+        _ => None,
+    }
+}
+
+fn published_at(properties: &BasicProperties) -> Option<DateTime<Utc>> {
+    let secs = i64::try_from((*properties.timestamp())?).ok()?;
+    Utc.timestamp_opt(secs, 0).single()
+}
+
+/// Properties for the copy that stays parked: the original's, without the broker's
+/// delivery count (a fresh copy has none), and with the reason header when the
+/// reason was only recognised by lapse — from then on the message carries it.
+pub fn kept_properties(original: &BasicProperties, entry: &Entry) -> BasicProperties {
+    let mut headers = original.headers().clone().unwrap_or_default();
+    let mut inner = headers.inner().clone();
+    inner.remove(DELIVERY_COUNT_HEADER);
+    headers = FieldTable::from(inner);
+    if entry.reason_source == ReasonSource::Unroutable {
+        headers.insert(
+            ShortString::from(PARK_REASON_HEADER),
+            AMQPValue::LongString(LongString::from(entry.reason.as_str())),
+        );
+        if let Some(at) = entry.parked_at {
+            headers.insert(
+                ShortString::from(PARKED_AT_HEADER),
+                AMQPValue::LongString(LongString::from(rfc3339(at))),
+            );
+        }
+    }
+    original.clone().with_headers(headers)
+}
+
+pub fn rfc3339(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Headers as JSON, for `parked show` (strings as text, timestamps as RFC 3339).
+pub fn headers_json(headers: Option<&FieldTable>) -> Value {
+    let mut out = Map::new();
+    for (k, v) in headers.map(|h| h.inner().iter()).into_iter().flatten() {
+        out.insert(k.to_string(), value_json(v));
+    }
+    Value::Object(out)
+}
+
+fn value_json(v: &AMQPValue) -> Value {
+    match v {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::Float(n) => (*n).into(),
+        AMQPValue::Double(n) => (*n).into(),
+        AMQPValue::ShortString(s) => s.to_string().into(),
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned().into(),
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_json).collect()),
+        AMQPValue::FieldTable(t) => headers_json(Some(t)),
+        AMQPValue::Timestamp(secs) => i64::try_from(*secs)
+            .ok()
+            .and_then(|s| Utc.timestamp_opt(s, 0).single())
+            .map_or(Value::Null, |t| rfc3339(t).into()),
+        other => format!("{other:?}").into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_stable_and_distinguish_kinds() {
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "lines": []}"#, None),
+            Some(7)
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7}"#, Some("release-7")),
+            Some(7)
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7}"#, Some("release-8")),
+            None
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "deadline_version": 1}"#, None),
+            None,
+            "an intent without a deadline is not a release"
+        );
+        assert_eq!(
+            release_order(
+                br#"{"v":1,"order_id":7,"expire_at":"x","deadline_version":1,"lines":[]}"#,
+                None
+            ),
+            None
+        );
+        assert_eq!(release_order(b"not json", Some("release-7")), None);
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn the_broker_reason_names_the_queue() {
+        let mut death = FieldTable::default();
+        death.insert(
+            "reason".into(),
+            AMQPValue::LongString("delivery_limit".into()),
+        );
+        death.insert("queue".into(), AMQPValue::LongString("p.due".into()));
+        death.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        assert_eq!(
+            broker_reason(Some(&headers)).as_deref(),
+            Some("broker: delivery_limit in p.due")
+        );
+        assert_eq!(
+            last_death_time(Some(&headers)).map(rfc3339).as_deref(),
+            Some("2023-11-14T22:13:20.000Z")
+        );
+        assert_eq!(broker_reason(None), None);
+    }
+}

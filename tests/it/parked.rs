@@ -1,0 +1,339 @@
+//! `lapse parked list | show | purge` against the real broker: listing spends no
+//! delivery and shows a reason for every message, purge asks. Replay: parked_replay.rs.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use lapin::options::{BasicGetOptions, BasicRejectOptions};
+use serde_json::Value;
+
+use lapse::broker::Publisher;
+use lapse::message::{TimeoutMessage, parked_properties};
+
+use crate::helpers::{TestEnv, eventually, management_url, stderr, stdout};
+use crate::queues;
+
+pub(crate) async fn publish(
+    env: &TestEnv,
+    exchange: &str,
+    key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) {
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    publisher.publish(exchange, key, body, props).await.unwrap();
+}
+
+/// Parks `body` the way the worker does: with the reason header.
+pub(crate) async fn park(env: &TestEnv, body: &[u8], reason: &str) {
+    let props = parked_properties(&BasicProperties::default().with_delivery_mode(2), reason);
+    publish(env, &env.names().parked(), "", body, props).await;
+}
+
+pub(crate) fn timeout(order: i64, expire_at: DateTime<Utc>, version: i32) -> TimeoutMessage {
+    let mut m = TimeoutMessage::new(order, expire_at, version);
+    m.attempt = 5;
+    m
+}
+
+pub(crate) fn json_out(o: &std::process::Output) -> Value {
+    assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
+    serde_json::from_str(&stdout(o)).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+pub(crate) fn list(env: &TestEnv) -> Vec<Value> {
+    json_out(&env.lapse(&["parked", "list", "--json"]))
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+pub(crate) async fn applied(tiers: &[&str]) -> TestEnv {
+    let env = TestEnv::new(tiers).await;
+    let report = lapse::topology::apply(&env.conn, &env.topology())
+        .await
+        .unwrap();
+    assert!(report.ok(), "{report:?}");
+    env
+}
+
+/// Sets (or with `None` deletes) a `delivery-limit` policy on the parked queue.
+async fn parked_delivery_limit(env: &TestEnv, limit: Option<i64>) {
+    let http = lapse::tls::TlsFiles::default()
+        .http_client()
+        .unwrap()
+        .build()
+        .unwrap();
+    let url = format!(
+        "{}/api/policies/%2F/{}-parked-limit",
+        management_url(),
+        env.prefix
+    );
+    let url = url::Url::parse(&url).unwrap();
+    let (user, password) = (
+        url.username().to_string(),
+        url.password().unwrap_or("").to_string(),
+    );
+    let mut bare = url.clone();
+    bare.set_username("").unwrap();
+    bare.set_password(None).unwrap();
+    let request = match limit {
+        Some(n) => http.put(bare).json(&serde_json::json!({
+            "pattern": format!("^{}\\.parked$", env.prefix),
+            "definition": {"delivery-limit": n},
+            "apply-to": "queues",
+            "priority": 10,
+        })),
+        None => http.delete(bare),
+    };
+    let response = request
+        .basic_auth(user, Some(password))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{:?}", response.status());
+}
+
+#[tokio::test]
+async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable_ones_carry_a_reason()
+ {
+    let env = TestEnv::new(&["1s", "1m"]).await;
+    env.write_tiers(&["1s", "1m"], "delivery_limit = 1");
+    let report = lapse::topology::apply(&env.conn, &env.topology())
+        .await
+        .unwrap();
+    assert!(report.ok(), "{report:?}");
+    let parked = env.names().parked();
+    parked_delivery_limit(&env, Some(2)).await;
+    eventually(Duration::from_secs(20), "the policy applies", || async {
+        let q = env.management.queue("/", &parked).await.ok().flatten()?;
+        q.policy
+            .is_some_and(|p| p.ends_with("-parked-limit"))
+            .then_some(())
+    })
+    .await;
+    // Control: returning a parked message more often than the limit drops it.
+    park(&env, b"control", "control").await;
+    let channel = env.conn.create_channel().await.unwrap();
+    for _ in 0..3 {
+        if let Some(m) = channel
+            .basic_get(parked.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+        {
+            m.delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: true })
+                .await
+                .unwrap();
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        queues::depth(&env.conn, &parked).await,
+        Some(0),
+        "the limit is in force"
+    );
+
+    let expire_at = Utc::now() + chrono::Duration::minutes(10);
+    park(
+        &env,
+        &timeout(41, expire_at, 2).encode(),
+        "database unavailable",
+    )
+    .await;
+    // A timeout published to a tier with no queue: the alternate route parks it bare.
+    let stray = timeout(42, expire_at, 1);
+    publish(
+        &env,
+        &env.names().delay_exchange(),
+        "5m",
+        &stray.encode(),
+        stray.properties(),
+    )
+    .await;
+
+    // A poison timeout: returned by its consumer over the due queue's delivery limit,
+    // the broker dead-letters it to parked with its own reason.
+    let poison = timeout(43, expire_at, 1);
+    publish(
+        &env,
+        &env.names().due_exchange(),
+        "due",
+        &poison.encode(),
+        poison.properties(),
+    )
+    .await;
+    let due = env.names().due_queue();
+    for _ in 0..3 {
+        if let Some(m) = channel
+            .basic_get(due.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+        {
+            m.delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: true })
+                .await
+                .unwrap();
+        }
+    }
+    eventually(Duration::from_secs(10), "the poison is parked", || async {
+        (queues::depth(&env.conn, &parked).await == Some(3)).then_some(())
+    })
+    .await;
+
+    for round in 0..5 {
+        let entries = list(&env);
+        assert_eq!(entries.len(), 3, "round {round}: {entries:?}");
+        assert_eq!(entries[2]["id"], "timeout-43-v1");
+        assert_eq!(entries[2]["reason_source"], "broker");
+        assert_eq!(
+            entries[2]["reason"],
+            format!("broker: delivery_limit in {due}").as_str()
+        );
+        assert!(entries[2]["parked_at"].is_string(), "{entries:?}");
+        assert_eq!(entries[0]["id"], "timeout-41-v2");
+        assert_eq!(entries[0]["order_id"], 41);
+        assert_eq!(entries[0]["deadline_version"], 2);
+        assert_eq!(entries[0]["attempts"], 5);
+        assert_eq!(entries[0]["reason"], "database unavailable");
+        assert!(entries[0]["parked_at"].is_string());
+        assert_eq!(entries[1]["id"], "timeout-42-v1");
+        let reason = entries[1]["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("unroutable") && reason.contains("5m"),
+            "{reason}"
+        );
+        assert!(entries[1]["parked_at"].is_string(), "{entries:?}");
+    }
+    // The listings stamped the recognised reason onto the message itself.
+    let shown = json_out(&env.lapse(&["parked", "show", "timeout-42-v1", "--json"]));
+    let reason = &shown[0]["headers"]["x-lapse-park-reason"];
+    assert!(
+        reason.as_str().is_some_and(|r| r.contains("unroutable")),
+        "{shown}"
+    );
+    let missing = env.lapse(&["parked", "show", "timeout-1-v1"]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(
+        stderr(&missing).contains("parked list"),
+        "{}",
+        stderr(&missing)
+    );
+
+    parked_delivery_limit(&env, None).await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn purge_asks_for_yes_and_removes_only_the_selected() {
+    let env = applied(&["1s"]).await;
+    let expire_at = Utc::now() + chrono::Duration::minutes(10);
+    park(&env, b"\xff garbage", "body is not a JSON timeout message").await;
+    park(
+        &env,
+        &timeout(1, expire_at, 1).encode(),
+        "database unavailable",
+    )
+    .await;
+    park(&env, &timeout(2, expire_at, 1).encode(), "other").await;
+    let raw = list(&env)[0]["id"].as_str().unwrap().to_string();
+    assert!(raw.starts_with("raw-"), "{raw}");
+    let shown = json_out(&env.lapse(&["parked", "show", &raw, "--json"]));
+    assert!(shown[0]["body"].as_str().unwrap().contains("garbage"));
+    let replay = env.lapse(&["parked", "replay", &raw]);
+    assert_eq!(
+        replay.status.code(),
+        Some(1),
+        "an unreadable body is not replayed"
+    );
+
+    // One pass at a time: while another holds the lock, a command refuses and waits for nothing.
+    let other = lapse::broker::connect(
+        &lapse::config::Secret::new(crate::helpers::amqp_url()),
+        "another operator",
+    )
+    .await
+    .unwrap();
+    let holder = other.create_channel().await.unwrap();
+    let exclusive = lapin::options::QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..Default::default()
+    };
+    let lock = format!("{}.lock", env.names().parked());
+    holder
+        .queue_declare(lock.as_str().into(), exclusive, Default::default())
+        .await
+        .unwrap();
+    let busy = env.lapse(&["parked", "list"]);
+    assert_eq!(busy.status.code(), Some(1));
+    assert!(stderr(&busy).contains("another"), "{}", stderr(&busy));
+    other.close(200, "done".into()).await.unwrap();
+    eventually(Duration::from_secs(10), "the lock is released", || async {
+        queues::depth(&env.conn, &lock)
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    let refused = env.lapse(&["parked", "purge", "--all"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
+    assert_eq!(list(&env).len(), 3);
+
+    // On a terminal it asks: anything but "yes" purges nothing.
+    if let Some(no) = on_a_terminal(&env, &["parked", "purge", &raw], "no") {
+        assert_eq!(no.status.code(), Some(1), "{}", stdout(&no));
+        assert!(stdout(&no).contains("nothing purged"), "{}", stdout(&no));
+        assert_eq!(list(&env).len(), 3);
+        let yes = on_a_terminal(&env, &["parked", "purge", &raw], "yes").unwrap();
+        assert_eq!(yes.status.code(), Some(0), "{}", stdout(&yes));
+        assert_eq!(list(&env).len(), 2);
+        park(&env, b"\xff garbage", "body is not a JSON timeout message").await;
+    }
+
+    let purged = json_out(&env.lapse(&["parked", "purge", &raw, "--yes", "--json"]));
+    assert_eq!(purged["messages"][0]["outcome"], "purged");
+    let purged = env.lapse(&["parked", "purge", "--reason", "unavailable", "--yes"]);
+    assert!(purged.status.success(), "{}", stderr(&purged));
+    let left = list(&env);
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0]["id"], "timeout-2-v1");
+    assert!(
+        !left[0]["reason"].as_str().unwrap().contains("unavailable"),
+        "{left:?}"
+    );
+    env.cleanup().await;
+}
+
+/// Runs `lapse` with its stdin on a pseudo-terminal (util-linux `script`), typing
+/// `answer`; `None` (and a note) where `script` is not installed.
+fn on_a_terminal(env: &TestEnv, args: &[&str], answer: &str) -> Option<std::process::Output> {
+    use std::io::Write;
+    let mut command = format!(
+        "'{}' --config '{}'",
+        env!("CARGO_BIN_EXE_lapse"),
+        env.config_path().display()
+    );
+    for a in args {
+        command.push_str(&format!(" '{a}'"));
+    }
+    let child = std::process::Command::new("script")
+        .args(["-qec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("`script` is not installed: the interactive purge prompt is not tested");
+        return None;
+    };
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{answer}").unwrap();
+    drop(stdin);
+    Some(child.wait_with_output().unwrap())
+}
