@@ -31,7 +31,11 @@ pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, response.text().await.ok()?))
 }
 
-fn spawn_worker(env: &TestEnv, port: u16, broker_url: Option<&str>) -> tokio::process::Child {
+pub(crate) fn spawn_worker(
+    env: &TestEnv,
+    port: u16,
+    broker_url: Option<&str>,
+) -> tokio::process::Child {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
     cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
         .args(["--metrics-listen", &format!("127.0.0.1:{port}")])

@@ -18,6 +18,7 @@ mod outage;
 mod pipeline;
 mod private_pg;
 mod private_rabbit;
+mod prometheus;
 mod publish_faults;
 mod queues;
 mod reconciler_pacing;
