@@ -29,8 +29,10 @@ worker=$!
 sleep 6
 echo "-- its health"
 curl -s http://127.0.0.1:9464/health; echo
+echo "-- is it ready"
+curl -s http://127.0.0.1:9464/readyz; echo
 echo "-- a few of its metrics"
-curl -s http://127.0.0.1:9464/metrics | grep -E '^lapse_(outcomes_total|close_lateness_seconds\{.*quantile="0.5")' || true
+curl -s http://127.0.0.1:9464/metrics | grep -E '^lapse_(closes_total|decisions_total|close_lateness_seconds_(count|sum))' || true
 sleep 1
 kill -TERM "$worker"
 wait "$worker"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Makes sure PostgreSQL and RabbitMQ (with the management plugin) answer on loopback.
+# Installs (never starts) Prometheus, which the monitoring test runs on its own.
 # Starts what is stopped; installs from Debian's packages what is absent; uses
 # docker compose only when a Docker engine answers. Safe to run again and again.
 set -euo pipefail
@@ -21,6 +22,12 @@ apt_install() {
   [ -n "$apt_updated" ] || { as_root apt-get update -q; apt_updated=1; }
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"
 }
+
+# --- Prometheus: installed only (tests/it/prometheus.rs starts its own on a free port) -
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  log "installing Prometheus from Debian's packages (not started here)"
+  apt_install --no-install-recommends prometheus
+fi
 
 if port_open "$PG_PORT" && port_open "$AMQP_PORT" && port_open "$MGMT_PORT"; then
   log "PostgreSQL :$PG_PORT, RabbitMQ :$AMQP_PORT and management :$MGMT_PORT are up"

@@ -78,6 +78,8 @@ where
             Err(e) => {
                 tracing::warn!(component, error = %e, "session ended; reconnecting");
                 health.down(component, e.to_string());
+                metrics::counter!(crate::metric_catalog::RECONNECTS, "component" => component)
+                    .increment(1);
                 backoff.sleep(token).await;
             }
         }

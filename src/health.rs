@@ -5,6 +5,9 @@
 //!   away, a restart after a panic). A component that works over a broker connection
 //!   is up only once that connection is open, so it is down while it connects or
 //!   reconnects. A component that is down is still alive: it is retrying on its own.
+//!   Its `last_error` stays while it is down and is cleared once it reports up again
+//!   (recovered); a component the supervisor restarted keeps the panic message
+//!   until then.
 //! - **Live** (liveness): every component is making progress. A component marks each
 //!   unit of work (a batch, a relay round, a sweep, opening a session) with a [`Busy`]
 //!   guard; waiting for work is not busy. A component busy for longer than the stall
@@ -79,15 +82,30 @@ impl Health {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Registers a running component as up.
+    /// Registers a running component as up. A component that is up has recovered:
+    /// its last error is cleared (the logs keep it).
     pub fn up(&self, component: &'static str) {
+        let mut map = self.lock();
+        let state = map.entry(component).or_default();
+        state.up = true;
+        state.last_error = None;
+        export_up(component, true);
+    }
+
+    /// Registers a component the supervisor (re)started as up, keeping its last
+    /// error: being started again is not yet having recovered. A component that
+    /// proves it works (its connection opened, a sweep succeeded) reports
+    /// [`Health::up`], which clears it.
+    pub fn started(&self, component: &'static str) {
         self.lock().entry(component).or_default().up = true;
+        export_up(component, true);
     }
 
     /// Marks a component as not up until it reports [`Health::up`] again (it is
     /// opening its connection); its last error, if any, stays visible.
     pub fn connecting(&self, component: &'static str) {
         self.lock().entry(component).or_default().up = false;
+        export_up(component, false);
     }
 
     /// Marks a component as failing with `error` (it is backing off).
@@ -96,6 +114,7 @@ impl Health {
         let state = map.entry(component).or_default();
         state.up = false;
         state.last_error = Some(error);
+        export_up(component, false);
     }
 
     /// Marks a component as failed and about to be restarted by the supervisor.
@@ -107,6 +126,7 @@ impl Health {
         state.restarts = state.restarts.saturating_add(1);
         // The failed instance's work is gone with it.
         state.busy_since = None;
+        export_up(component, false);
     }
 
     /// Records that the broker blocks (`Some(reason)`) or no longer blocks (`None`)
@@ -170,6 +190,14 @@ impl Health {
     pub fn healthy(&self) -> bool {
         self.snapshot().values().all(|s| s.up && !s.stalled)
     }
+}
+
+fn export_up(component: &'static str, up: bool) {
+    metrics::gauge!(crate::metric_catalog::COMPONENT_UP, "component" => component).set(if up {
+        1.0
+    } else {
+        0.0
+    });
 }
 
 /// A unit of work in progress; dropping it ends the unit.
@@ -249,5 +277,26 @@ mod tests {
         assert_eq!(state.last_error.as_deref(), Some("panicked: boom"));
         assert!(!health.healthy());
         assert!(health.live(), "down is not dead");
+    }
+
+    #[test]
+    fn a_recovered_component_no_longer_shows_its_last_error() {
+        let health = Health::default();
+        health.up("relay");
+        health.down("relay", "connection refused".into());
+        assert_eq!(
+            health.snapshot()["relay"].last_error.as_deref(),
+            Some("connection refused")
+        );
+        health.connecting("relay");
+        assert!(
+            health.snapshot()["relay"].last_error.is_some(),
+            "still shown while reconnecting"
+        );
+        health.up("relay");
+        let state = &health.snapshot()["relay"];
+        assert!(state.up);
+        assert_eq!(state.last_error, None);
+        assert!(health.healthy());
     }
 }

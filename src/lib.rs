@@ -11,6 +11,7 @@
 //! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
 //! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
 //! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
 //! - [`tier_check`]: whether the wait queues a publish is about to use exist.
 //! - [`redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
@@ -29,8 +30,9 @@
 //! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
 //! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
 //! - [`stats`]: outcome counters and the lateness histogram.
-//! - [`health`], [`http`]: component health and liveness, and the `/metrics`, `/livez`,
-//!   `/health` endpoint.
+//! - [`metric_catalog`]: every exported metric's name, help text and buckets.
+//! - [`health`], [`http`], [`readiness`]: component health and liveness, and the
+//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint.
 //! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
 //!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
@@ -50,10 +52,13 @@ pub mod health;
 pub mod http;
 pub mod management;
 pub mod message;
+pub mod metric_catalog;
 pub mod orders;
 pub mod parked;
 pub mod publishing;
+pub mod queue_gauges;
 pub mod rate;
+pub mod readiness;
 pub mod reconciler;
 pub mod redact;
 pub mod redelivery;

@@ -47,6 +47,7 @@ impl RateLimiter {
         if n == 0 {
             return;
         }
+        let started = Instant::now();
         let mut bucket = inner.lock().await;
         let now = Instant::now();
         let burst = (bucket.per_second / 10.0).max(1.0);
@@ -60,6 +61,10 @@ impl RateLimiter {
             // Holding the lock while waiting keeps callers in order.
             tokio::time::sleep(wait).await;
         }
+        drop(bucket);
+        // Time spent in the queue for the lock counts too: it is waiting for the limit.
+        metrics::histogram!(crate::metric_catalog::LIMITER_WAIT)
+            .record(started.elapsed().as_secs_f64());
     }
 
     /// Like [`RateLimiter::acquire`], but gives up as soon as `token` is cancelled

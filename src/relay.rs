@@ -15,6 +15,7 @@
 //! takes rows by `(not_before, id)`, so a refused destination waits alone while every
 //! other row — other tiers, stock releases — flows past it.
 
+pub mod backlog;
 mod outgoing;
 pub mod retry;
 
@@ -193,11 +194,10 @@ impl Relay {
         )
         .await?;
         tx.commit().await?;
-        self.stats.record(Outcome::Relayed, sent_ids.len() as u64);
-        self.stats
-            .record(Outcome::PublishRefused, later.refused as u64);
-        self.stats
-            .record(Outcome::Unroutable, later.returned as u64);
+        let stats = self.stats.by("relay");
+        stats.record(Outcome::Relayed, sent_ids.len() as u64);
+        stats.record(Outcome::PublishRefused, later.refused as u64);
+        stats.record(Outcome::Unroutable, later.returned as u64);
         if let Some(error) = later.errors.first() {
             tracing::warn!(
                 refused = later.refused,
@@ -228,12 +228,15 @@ impl Relay {
         let wake = Arc::new(Notify::new());
         // Stops with `token`: the supervisor cancels it when this instance ends.
         let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
+        let backlog = tokio::spawn(backlog::run(self.pool.clone(), token.clone()));
         let result = crate::backoff::reconnecting("relay", &health, &token, || {
             self.session(&broker, &wake, poll, &health, &token)
         })
         .await;
         listener.abort();
         let _ = listener.await;
+        backlog.abort();
+        let _ = backlog.await;
         result
     }
 

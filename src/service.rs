@@ -148,6 +148,21 @@ impl Service {
                 }),
             );
         }
+        if w.consumer || w.relay || w.releaser {
+            let (url, names, h) = (broker.clone(), config.names(), health.clone());
+            supervisor.add(
+                crate::queue_gauges::COMPONENT,
+                Box::new(move |t| {
+                    boxed(crate::queue_gauges::run(
+                        url.clone(),
+                        names.clone(),
+                        tiers.clone(),
+                        h.clone(),
+                        t,
+                    ))
+                }),
+            );
+        }
         Ok(Self {
             supervisor,
             health,

@@ -1,10 +1,14 @@
 //! Counters for every outcome of the worker's decision table, tier hops, sweeper and
 //! relay work, and the close-lateness histogram. Each is kept in-process (for
 //! `run_once` callers and tests) and mirrored to the `metrics` facade (for the
-//! Prometheus exporter), with labels of few values.
+//! Prometheus exporter): each outcome goes to the metric that means it (see
+//! [`crate::metric_catalog`]), which may depend on the component that records it
+//! ([`Stats::by`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::metric_catalog as m;
 
 /// What happened to one delivery, or one unit of background work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,15 +113,74 @@ impl Outcome {
 #[derive(Clone, Default)]
 pub struct Stats {
     counts: Arc<[AtomicU64; ALL_OUTCOMES.len()]>,
+    /// The component recording ("worker" when unset): the same outcome means a
+    /// different thing from the relay, the releaser or the sweeper.
+    by: &'static str,
 }
 
 impl Stats {
+    /// The same counters, recorded on behalf of `component` (relay, releaser, sweeper).
+    pub fn by(&self, component: &'static str) -> Stats {
+        Stats {
+            counts: self.counts.clone(),
+            by: component,
+        }
+    }
+
+    fn component(&self) -> &'static str {
+        if self.by.is_empty() {
+            "worker"
+        } else {
+            self.by
+        }
+    }
+
     pub fn record(&self, outcome: Outcome, n: u64) {
         if n == 0 {
             return;
         }
         self.counts[outcome.index()].fetch_add(n, Ordering::Relaxed);
-        metrics::counter!("lapse_outcomes_total", "outcome" => outcome.as_str()).increment(n);
+        self.export(outcome, n);
+    }
+
+    fn export(&self, outcome: Outcome, n: u64) {
+        use Outcome::*;
+        let by = self.component();
+        match (outcome, by) {
+            (Relayed, _) => metrics::counter!(m::RELAY_PUBLISHED).increment(n),
+            (PublishRefused, "relay") => metrics::counter!(m::RELAY_REFUSED).increment(n),
+            (PublishRefused, _) => metrics::counter!(m::REDELAYS_REFUSED).increment(n),
+            (Unroutable, _) => metrics::counter!(m::UNROUTABLE, "component" => by).increment(n),
+            (Released, _) => metrics::counter!(m::RELEASES).increment(n),
+            (ReleaseRetried, _) => metrics::counter!(m::RELEASE_RETRIES).increment(n),
+            (ReleaseRepaired, _) => metrics::counter!(m::RECONCILER_REPAIRS).increment(n),
+            (SweptClosed, _) => metrics::counter!(m::CLOSES, "path" => "sweeper").increment(n),
+            (Locked, "sweeper") => metrics::counter!(m::SWEEPER_LOCKED).increment(n),
+            (Locked, "releaser") => metrics::counter!(m::RELEASES_LOCKED).increment(n),
+            // Parked releases are counted by `parked` alone: they are no decision.
+            (Parked, "releaser") => {}
+            // The worker's decisions.
+            (outcome, _) => {
+                metrics::counter!(m::DECISIONS, "outcome" => outcome.as_str()).increment(n);
+                match outcome {
+                    Closed => metrics::counter!(m::CLOSES, "path" => "timeout").increment(n),
+                    Redelayed => metrics::counter!(m::REDELAYS, "reason" => "not_due").increment(n),
+                    Retried => {
+                        metrics::counter!(m::REDELAYS, "reason" => "database_retry").increment(n)
+                    }
+                    Held => metrics::counter!(m::HOLDS, "reason" => "not_due").increment(n),
+                    Locked => metrics::counter!(m::HOLDS, "reason" => "locked").increment(n),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// A message copied to the parked queue; `reason` is one of a few fixed words
+    /// (undecodable, bad_deadline, database_unavailable, unroutable).
+    pub fn parked(&self, reason: &'static str) {
+        metrics::counter!(m::PARKED, "component" => self.component(), "reason" => reason)
+            .increment(1);
     }
 
     pub fn get(&self, outcome: Outcome) -> u64 {
@@ -126,14 +189,12 @@ impl Stats {
 
     /// A tier hop (a publish to a wait queue); `tier` is `None` for the due queue.
     pub fn hop(&self, tier: Option<&str>) {
-        metrics::counter!("lapse_tier_hops_total", "tier" => tier.unwrap_or("due").to_string())
-            .increment(1);
+        metrics::counter!(m::TIER_HOPS, "tier" => tier.unwrap_or("due").to_string()).increment(1);
     }
 
-    /// Close time minus deadline of one closed order.
-    pub fn lateness(&self, lateness: std::time::Duration, by: &'static str) {
-        metrics::histogram!("lapse_close_lateness_seconds", "by" => by)
-            .record(lateness.as_secs_f64());
+    /// Close time minus deadline of one closed order; `path` is "timeout" or "sweeper".
+    pub fn lateness(&self, lateness: std::time::Duration, path: &'static str) {
+        metrics::histogram!(m::CLOSE_LATENESS, "path" => path).record(lateness.as_secs_f64());
     }
 
     /// Every non-zero counter, for logs and summaries.

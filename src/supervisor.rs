@@ -119,7 +119,7 @@ impl Supervisor {
             failures: 0,
             started: Instant::now(),
         });
-        self.health.up(name);
+        self.health.started(name);
         self.spawn(self.specs.len() - 1, Duration::ZERO);
     }
 
@@ -137,7 +137,7 @@ impl Supervisor {
                     _ = instance.cancelled() => return (index, Ok(())),
                     _ = tokio::time::sleep(delay) => {}
                 }
-                health.up(name);
+                health.started(name);
             }
             (index, future.await)
         });
@@ -198,7 +198,7 @@ impl Supervisor {
             restart_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
             "component failed; restarting it"
         );
-        metrics::counter!("lapse_component_restarts_total", "component" => spec.name).increment(1);
+        metrics::counter!(crate::metric_catalog::RESTARTS, "component" => spec.name).increment(1);
         self.health.restarting(spec.name, reason);
         self.spawn(index, delay);
     }

@@ -190,12 +190,12 @@ impl Sweeper {
             }
             report.scanned += rows.len();
             report.closed += closed.len();
-            self.stats.record(
+            self.stats.by("sweeper").record(
                 Outcome::SweptClosed,
                 u64::try_from(closed.len()).unwrap_or(0),
             );
             report.locked += done.locked.len();
-            self.stats.record(
+            self.stats.by("sweeper").record(
                 Outcome::Locked,
                 u64::try_from(done.locked.len()).unwrap_or(0),
             );

@@ -100,6 +100,19 @@ pub enum Command {
     #[command(after_help = completions::after_help())]
     Completions(completions::CompletionsArgs),
     /// List, show, replay or purge parked messages.
+    #[command(after_help = help::after(
+        &[
+            "lapse parked list",
+            "lapse parked replay --all --dry-run",
+            "lapse parked purge timeout-42-v1 --yes",
+        ],
+        &[
+            help::OK,
+            (1, "a message was not found or not replayed, or another parked command is running"),
+            help::USAGE,
+            (3, "the broker could not be reached"),
+        ],
+    ))]
     Parked {
         #[command(subcommand)]
         action: parked::ParkedCommand,

@@ -11,16 +11,28 @@ use crate::broker::Endpoint;
 use crate::config::Config;
 use crate::parked::{Entry, Item, Outcome, ParkedError, Pass, Plan, Router, headers_json, rfc3339};
 
-const EXIT_CODES: &str = "Exit status: 0 success; 1 a message was not found or not replayed, or \
-another parked command is running; 2 bad arguments or configuration (also: purge without --yes \
-when stdin is not a terminal); 3 the broker cannot be reached.";
+/// Exit statuses shared by every `lapse parked` command.
+const EXIT_CODES: &[(u8, &str)] = &[
+    super::help::OK,
+    (
+        1,
+        "a message was not found or not replayed, or another parked command is running",
+    ),
+    (
+        2,
+        "bad arguments or configuration (also: purge without --yes when stdin is not a \
+         terminal)",
+    ),
+    (3, "the broker could not be reached"),
+];
 
 #[derive(Debug, Subcommand)]
 pub enum ParkedCommand {
     /// List parked messages in queue order: ID, kind, order, deadline, version,
     /// attempts, when parked and why. Listing never spends a delivery.
-    #[command(after_help = format!(
-        "Examples:\n  lapse parked list\n  lapse parked list --json\n\n{EXIT_CODES}"
+    #[command(after_help = super::help::after(
+        &["lapse parked list", "lapse parked list --json"],
+        EXIT_CODES,
     ))]
     List {
         /// Print JSON instead of a table.
@@ -28,8 +40,9 @@ pub enum ParkedCommand {
         json: bool,
     },
     /// Show every copy of one parked message: its fields, headers and body.
-    #[command(after_help = format!(
-        "Examples:\n  lapse parked show timeout-42-v1\n  lapse parked show release-42 --json\n\n{EXIT_CODES}"
+    #[command(after_help = super::help::after(
+        &["lapse parked show timeout-42-v1", "lapse parked show release-42 --json"],
+        EXIT_CODES,
     ))]
     Show {
         /// The message ID from `lapse parked list` (e.g. timeout-42-v1, release-42, raw-…).
@@ -42,8 +55,9 @@ pub enum ParkedCommand {
     /// Put parked messages back on their path: a timeout to its wait tier or the due
     /// queue (own deadline and version, fresh attempt budget), a release to the stock
     /// releaser. Each leaves parked only after the broker confirmed it at its destination.
-    #[command(after_help = format!(
-        "Examples:\n  lapse parked replay timeout-42-v1\n  lapse parked replay --reason \"database unavailable\" --dry-run\n  lapse parked replay --all --json\n\n{EXIT_CODES}"
+    #[command(after_help = super::help::after(
+        &["lapse parked replay timeout-42-v1", "lapse parked replay --reason unavailable --dry-run", "lapse parked replay --all --json"],
+        EXIT_CODES,
     ))]
     Replay {
         #[command(flatten)]
@@ -56,8 +70,9 @@ pub enum ParkedCommand {
         json: bool,
     },
     /// Delete parked messages for good. Asks for confirmation unless --yes.
-    #[command(after_help = format!(
-        "Examples:\n  lapse parked purge raw-0123456789abcdef\n  lapse parked purge --reason unreadable --yes\n\n{EXIT_CODES}"
+    #[command(after_help = super::help::after(
+        &["lapse parked purge raw-0123456789abcdef", "lapse parked purge --reason unreadable --yes"],
+        EXIT_CODES,
     ))]
     Purge {
         #[command(flatten)]
@@ -82,7 +97,7 @@ pub struct Select {
     #[arg(long)]
     all: bool,
     /// Messages whose reason contains this text (case-insensitive).
-    #[arg(long, value_name = "REASON")]
+    #[arg(long, value_name = "TEXT")]
     reason: Option<String>,
 }
 

@@ -53,7 +53,7 @@ pub struct WorkerArgs {
     /// Do not run the backstop sweeper.
     #[arg(long)]
     no_sweeper: bool,
-    /// Serve GET /metrics (Prometheus), GET /livez and GET /health on this address (e.g.
+    /// Serve GET /metrics (Prometheus), GET /livez, GET /readyz and GET /health on this address (e.g.
     /// 127.0.0.1:9464); an address that cannot be bound is a startup error.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
@@ -88,6 +88,7 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     let mut service = Service::start(&config, stats.clone(), token.clone()).await?;
     if let Some((listener, metrics)) = endpoint {
         let health = service.health();
+        let readiness = crate::readiness::Readiness::from_config(&config);
         service.supervise(
             "http",
             Box::new(move |t| {
@@ -95,6 +96,7 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
                     listener.clone(),
                     metrics.clone(),
                     health.clone(),
+                    readiness.clone(),
                     t,
                 ))
             }),

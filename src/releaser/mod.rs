@@ -181,7 +181,8 @@ impl Releaser {
                 }),
                 Err(e) => {
                     let reason = format!("not a stock-release event: {e}");
-                    self.park(publishing, &delivery, &reason).await?;
+                    self.park(publishing, &delivery, &reason, "undecodable")
+                        .await?;
                 }
             }
         }
@@ -207,12 +208,14 @@ impl Releaser {
                             "stock release of order {} failed like every other event of its batch, {} times: {}",
                             one.order_id, systemic_rounds, error
                         );
-                        self.park(publishing, &one.delivery, &reason).await?;
+                        self.park(publishing, &one.delivery, &reason, "release_failed")
+                            .await?;
                     }
                 } else {
                     tracing::error!(%error, events = count, round = systemic_rounds,
                         "releaser: every event of the batch fails with the same error; holding the batch and retrying");
                     self.stats
+                        .by("releaser")
                         .record(Outcome::ReleaseRetried, u64::try_from(count).unwrap_or(0));
                     work = vec![failed.into_iter().map(|(p, _)| p).collect()];
                     work.push(round.held);
@@ -233,7 +236,8 @@ impl Releaser {
                         "stock release of order {} failed {} times: {}",
                         one.order_id, one.failures, error
                     );
-                    self.park(publishing, &one.delivery, &reason).await?;
+                    self.park(publishing, &one.delivery, &reason, "release_failed")
+                        .await?;
                 }
             }
             if work.iter().all(Vec::is_empty) {
@@ -264,7 +268,7 @@ impl Releaser {
                 Ok(outcome) => {
                     backoff.reset();
                     round.succeeded = true;
-                    self.stats.record(
+                    self.stats.by("releaser").record(
                         Outcome::Released,
                         u64::try_from(outcome.applied).unwrap_or(0),
                     );
@@ -278,7 +282,7 @@ impl Releaser {
                     if !outcome.held.is_empty() {
                         tracing::debug!(orders = ?outcome.held,
                             "releaser: order rows locked by another transaction; holding them back");
-                        self.stats.record(
+                        self.stats.by("releaser").record(
                             Outcome::Locked,
                             u64::try_from(outcome.held.len()).unwrap_or(0),
                         );
@@ -287,7 +291,7 @@ impl Releaser {
                 Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e.detail(), held = chunk.len(),
                         "releaser: database unavailable; holding the deliveries and retrying");
-                    self.stats.record(
+                    self.stats.by("releaser").record(
                         Outcome::ReleaseRetried,
                         u64::try_from(chunk.len()).unwrap_or(0),
                     );
@@ -321,6 +325,7 @@ impl Releaser {
         publishing: &mut PublishingConnection,
         delivery: &Delivery,
         reason: &str,
+        kind: &'static str,
     ) -> Result<(), BrokerError> {
         tracing::warn!(%reason, "releaser: parking a message");
         let properties = parked_properties(&delivery.properties, reason);
@@ -328,7 +333,9 @@ impl Releaser {
             .publish(&self.names.parked(), "", &delivery.data, properties)
             .await?;
         self.ack(delivery).await?;
-        self.stats.record(Outcome::Parked, 1);
+        let stats = self.stats.by("releaser");
+        stats.record(Outcome::Parked, 1);
+        stats.parked(kind);
         Ok(())
     }
 

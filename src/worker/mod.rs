@@ -214,7 +214,7 @@ impl Consumer {
         let mut to_publish = Vec::new();
         let mut waiting = Vec::new();
         let mut hops = Vec::new();
-        for (delivery, action) in batch.into_iter().zip(actions) {
+        for ((delivery, action), message) in batch.into_iter().zip(actions).zip(&messages) {
             match action {
                 Action::Ack(outcome) => {
                     ack(&delivery).await?;
@@ -257,10 +257,15 @@ impl Consumer {
                         message.encode(),
                         message.properties(),
                     ));
-                    waiting.push((delivery, outcome, reroute_after));
+                    waiting.push((delivery, outcome, reroute_after, None));
                 }
                 Action::Park { reason, outcome } => {
                     tracing::warn!(%reason, "worker: parking a message");
+                    let kind = match (outcome, message) {
+                        (Outcome::GaveUp, _) => "database_unavailable",
+                        (_, Err(_)) => "undecodable",
+                        (_, Ok(_)) => "bad_deadline",
+                    };
                     let properties: BasicProperties =
                         parked_properties(&delivery.properties, &reason);
                     to_publish.push((
@@ -269,18 +274,21 @@ impl Consumer {
                         delivery.data.clone(),
                         properties,
                     ));
-                    waiting.push((delivery, outcome, None));
+                    waiting.push((delivery, outcome, None, Some(kind)));
                 }
             }
         }
         let attempted = !to_publish.is_empty();
         let results = publishing.publish_all(to_publish).await;
         let mut unroutable = Vec::new();
-        for ((delivery, outcome, reroute_after), result) in waiting.into_iter().zip(results) {
+        for ((delivery, outcome, reroute_after, park), result) in waiting.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     ack(&delivery).await?;
                     self.stats.record(outcome, 1);
+                    if let Some(kind) = park {
+                        self.stats.parked(kind);
+                    }
                     report.acked += 1;
                 }
                 // Confirmed but routed nowhere: acknowledging would lose it.
@@ -309,6 +317,7 @@ impl Consumer {
                 Ok(()) => {
                     ack(&delivery).await?;
                     self.stats.record(Outcome::Unroutable, 1);
+                    self.stats.parked("unroutable");
                     report.acked += 1;
                 }
                 Err(e) => {

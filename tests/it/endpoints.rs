@@ -1,4 +1,5 @@
-//! `lapse worker --metrics-listen`: GET /metrics, /livez and /health through the binary.
+//! `lapse worker --metrics-listen`: GET /metrics, /livez, /readyz and /health through
+//! the binary.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -30,7 +31,11 @@ pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, response.text().await.ok()?))
 }
 
-fn spawn_worker(env: &TestEnv, port: u16, broker_url: Option<&str>) -> tokio::process::Child {
+pub(crate) fn spawn_worker(
+    env: &TestEnv,
+    port: u16,
+    broker_url: Option<&str>,
+) -> tokio::process::Child {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
     cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
         .args(["--metrics-listen", &format!("127.0.0.1:{port}")])
@@ -66,6 +71,18 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
     }
     let (status, body) = get(port, "/livez").await.unwrap();
     assert_eq!(status, 200, "{body}");
+    let (status, body) = get(port, "/readyz").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let ready: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(ready["status"], "ready", "{ready}");
+    for check in [
+        "broker",
+        "database",
+        "component:consumer",
+        "component:queues",
+    ] {
+        assert_eq!(ready["checks"][check]["ok"], true, "{ready}");
+    }
     let created = env.lapse(&["order", "create", "--expires-in", "300ms"]);
     assert!(created.status.success());
     eventually(
@@ -74,7 +91,7 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
         || async {
             let (_, body) = get(port, "/metrics").await?;
             body.lines()
-                .any(|l| l.starts_with("lapse_outcomes_total{outcome=\"closed\"} 1"))
+                .any(|l| l.starts_with("lapse_closes_total{path=\"timeout\"} 1"))
                 .then_some(())
         },
     )
@@ -103,6 +120,23 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
         .unwrap();
     assert!(error.contains("connect"), "{error}");
     assert!(!body.contains("guest:guest"), "no credentials in /health");
+    // Not ready, with the reasons; but alive: an unreachable broker is no reason to
+    // restart the process.
+    let (status, body) = get(port, "/readyz").await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    let ready: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(ready["status"], "not_ready");
+    assert_eq!(ready["checks"]["broker"]["ok"], false, "{ready}");
+    let reason = ready["checks"]["broker"]["reason"].as_str().unwrap();
+    assert!(reason.contains("127.0.0.1:1"), "{reason}");
+    assert_eq!(ready["checks"]["database"]["ok"], true, "{ready}");
+    assert_eq!(
+        ready["checks"]["component:consumer"]["ok"], false,
+        "{ready}"
+    );
+    assert!(!body.contains("guest:guest"), "no credentials in /readyz");
+    let (status, body) = get(port, "/livez").await.unwrap();
+    assert_eq!(status, 200, "{body}");
     worker.kill().await.unwrap();
     env.cleanup().await;
 }

@@ -22,6 +22,7 @@ mod parked_replay;
 mod pipeline;
 mod private_pg;
 mod private_rabbit;
+mod prometheus;
 mod publish_faults;
 mod queues;
 mod reconciler_pacing;

@@ -1,0 +1,188 @@
+//! Every metric lapse exports: its name, type, unit and help text, in one place.
+//! `docs/metrics.md` documents the same list with a PromQL example for each.
+//!
+//! Names say one thing each and carry their base unit (`_seconds`, `_total` for
+//! counters); labels have few values.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+pub const CLOSE_LATENESS: &str = "lapse_close_lateness_seconds";
+pub const CLOSES: &str = "lapse_closes_total";
+pub const DECISIONS: &str = "lapse_decisions_total";
+pub const REDELAYS: &str = "lapse_redelays_total";
+pub const REDELAYS_REFUSED: &str = "lapse_redelays_refused_total";
+pub const HOLDS: &str = "lapse_holds_total";
+pub const PARKED: &str = "lapse_parked_total";
+pub const UNROUTABLE: &str = "lapse_unroutable_total";
+pub const TIER_HOPS: &str = "lapse_tier_hops_total";
+pub const RELAY_PUBLISHED: &str = "lapse_relay_published_total";
+pub const RELAY_REFUSED: &str = "lapse_relay_refused_total";
+pub const OUTBOX_ROWS: &str = "lapse_outbox_rows";
+pub const OUTBOX_OLDEST_AGE: &str = "lapse_outbox_oldest_age_seconds";
+pub const OUTBOX_STUCK: &str = "lapse_outbox_stuck_rows";
+pub const RELEASES: &str = "lapse_releases_total";
+pub const RELEASE_RETRIES: &str = "lapse_release_retries_total";
+pub const RELEASES_LOCKED: &str = "lapse_releases_locked_total";
+pub const RECONCILER_REPAIRS: &str = "lapse_reconciler_repairs_total";
+pub const SWEEPER_LOCKED: &str = "lapse_sweeper_locked_total";
+pub const UNREADABLE_DEADLINES: &str = "lapse_orders_unreadable_deadline";
+pub const RECONNECTS: &str = "lapse_reconnects_total";
+pub const RESTARTS: &str = "lapse_component_restarts_total";
+pub const LIMITER_WAIT: &str = "lapse_limiter_wait_seconds";
+pub const COMPONENT_UP: &str = "lapse_component_up";
+pub const QUEUE_MESSAGES: &str = "lapse_queue_messages";
+pub const QUEUE_CONSUMERS: &str = "lapse_queue_consumers";
+pub const BUILD_INFO: &str = "lapse_build_info";
+
+/// Histogram buckets of [`CLOSE_LATENESS`] and [`LIMITER_WAIT`]: 1 ms to 60 s.
+pub const LATENESS_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
+/// Registers the help text of every metric, and `lapse_build_info`; call once, after
+/// the recorder is installed.
+pub fn describe() {
+    describe_histogram!(
+        CLOSE_LATENESS,
+        Unit::Seconds,
+        "Close time minus deadline of each closed order, by path (timeout: the due-queue consumer; sweeper: the backstop scan)."
+    );
+    describe_counter!(
+        CLOSES,
+        Unit::Count,
+        "Orders closed, by path (timeout or sweeper)."
+    );
+    describe_counter!(
+        DECISIONS,
+        Unit::Count,
+        "Timeout deliveries the worker decided, by outcome (closed, missing, settled, stale, raced, redelayed, held, locked, retried, parked, gave_up, unroutable)."
+    );
+    describe_counter!(
+        REDELAYS,
+        Unit::Count,
+        "Timeouts the worker published to a wait tier again, by reason (not_due; database_retry: the database was unavailable)."
+    );
+    describe_counter!(
+        REDELAYS_REFUSED,
+        Unit::Count,
+        "Re-delays the broker refused (a full wait tier); the delivery is kept and decided again."
+    );
+    describe_counter!(
+        HOLDS,
+        Unit::Count,
+        "Timeouts the worker held back in memory, by reason (not_due: shorter than the smallest tier; locked: the order row was locked)."
+    );
+    describe_counter!(
+        PARKED,
+        Unit::Count,
+        "Messages copied to the parked queue, by component and reason (undecodable, bad_deadline, database_unavailable, unroutable)."
+    );
+    describe_counter!(
+        UNROUTABLE,
+        Unit::Count,
+        "Publishes whose queue was missing, by component; the relay keeps the row, the worker keeps or parks the delivery."
+    );
+    describe_counter!(
+        TIER_HOPS,
+        Unit::Count,
+        "Timeout messages published to a wait tier or to the due queue (tier=\"due\"), by relay and worker."
+    );
+    describe_counter!(
+        RELAY_PUBLISHED,
+        Unit::Count,
+        "Outbox rows the relay published (confirmed) and deleted."
+    );
+    describe_counter!(
+        RELAY_REFUSED,
+        Unit::Count,
+        "Outbox rows whose publish the broker refused (a full wait tier); retried later."
+    );
+    describe_gauge!(
+        OUTBOX_ROWS,
+        Unit::Count,
+        "Rows waiting in the outbox, sampled by every relay."
+    );
+    describe_gauge!(
+        OUTBOX_OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest outbox row (0 when empty), sampled by every relay."
+    );
+    describe_gauge!(
+        OUTBOX_STUCK,
+        Unit::Count,
+        "Outbox rows older than sweeper.stuck_outbox_after, at the sweeper leader's last sweep."
+    );
+    describe_counter!(
+        RELEASES,
+        Unit::Count,
+        "Stock releases applied by the releaser, one per (order, sku)."
+    );
+    describe_counter!(
+        RELEASE_RETRIES,
+        Unit::Count,
+        "Release deliveries held and retried after a transient database error."
+    );
+    describe_counter!(
+        RELEASES_LOCKED,
+        Unit::Count,
+        "Release deliveries held back because their order row was locked."
+    );
+    describe_counter!(
+        RECONCILER_REPAIRS,
+        Unit::Count,
+        "Stock releases the reconciler emitted again for closed orders whose release was lost."
+    );
+    describe_counter!(
+        SWEEPER_LOCKED,
+        Unit::Count,
+        "Overdue orders the sweeper skipped because their row was locked."
+    );
+    describe_gauge!(
+        UNREADABLE_DEADLINES,
+        Unit::Count,
+        "Overdue orders with a deadline lapse cannot handle, at the last sweep."
+    );
+    describe_counter!(
+        RECONNECTS,
+        Unit::Count,
+        "Sessions that ended with an error and were reconnected, by component."
+    );
+    describe_counter!(
+        RESTARTS,
+        Unit::Count,
+        "Components the supervisor restarted after a panic or an unexpected stop, by component."
+    );
+    describe_histogram!(
+        LIMITER_WAIT,
+        Unit::Seconds,
+        "Time each batch of closes waited for the closes-per-second limit (worker.closes_per_second); only with a limit set."
+    );
+    describe_gauge!(
+        COMPONENT_UP,
+        Unit::Count,
+        "1 while a component is up (its connection open, not backing off), 0 otherwise."
+    );
+    describe_gauge!(
+        QUEUE_MESSAGES,
+        Unit::Count,
+        "Messages in a lapse queue (due, parked, or a wait tier), sampled with a passive declare."
+    );
+    describe_gauge!(
+        QUEUE_CONSUMERS,
+        Unit::Count,
+        "Consumers of a lapse queue (due, parked, or a wait tier), sampled with a passive declare."
+    );
+    describe_gauge!(
+        BUILD_INFO,
+        Unit::Count,
+        "Always 1; the version label says which lapse is running."
+    );
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    // Series that exist from the start (at zero), so that rates and alerts see them.
+    for path in ["timeout", "sweeper"] {
+        metrics::counter!(CLOSES, "path" => path).increment(0);
+    }
+    for name in [RELAY_PUBLISHED, RELAY_REFUSED, RELEASES, RECONCILER_REPAIRS] {
+        metrics::counter!(name).increment(0);
+    }
+}
