@@ -8,13 +8,7 @@ use serde_json::Value;
 
 use crate::helpers::{TestEnv, eventually};
 
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub(crate) use crate::helpers::free_port;
 
 pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let client = lapse::tls::TlsFiles::default()

@@ -38,6 +38,31 @@ pub fn database_url(name: &str) -> String {
     format!("{base}/{name}")
 }
 
+/// A loopback port nobody listens on right now, for a server a test starts. Taken
+/// below the kernel's ephemeral range (32768 and up here, and by default on Linux), so
+/// the port cannot be handed to an outgoing connection between this check and the
+/// server's bind; a process-wide cursor from a random start keeps parallel tests of
+/// this process, and other test processes, apart.
+pub fn free_port() -> u16 {
+    use std::sync::atomic::AtomicU16;
+    const LOW: u16 = 20_000;
+    const SPAN: u16 = 12_000;
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let _ = NEXT.compare_exchange(
+        0,
+        fastrand::u16(1..SPAN),
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port between {LOW} and {}", LOW + SPAN)
+}
+
 pub fn init_logs() {
     if std::env::var("TEST_LOG").is_ok() {
         lapse::telemetry::init();

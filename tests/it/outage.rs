@@ -22,7 +22,7 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 #[tokio::test]
 async fn a_database_outage_loses_nothing_and_work_resumes_on_its_own() {
     let env = TestEnv::new(&["250ms", "1s"]).await;
-    let pg = PrivatePostgres::start(55_432 + (std::process::id() % 1000) as u16);
+    let pg = PrivatePostgres::start(crate::helpers::free_port());
     let url = pg.url("lapse");
     lapse::db::migrate(&Secret::new(url.clone())).await.unwrap();
     lapse::topology::apply(&env.conn, &env.topology())

@@ -4,7 +4,6 @@
 //! broker. Dropping it stops the node and deletes its directory, also when the test
 //! failed.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -74,15 +73,11 @@ pub struct PrivateRabbit {
     os_pid: Option<String>,
 }
 
-/// A port nobody listens on right now (the small race with other processes is
-/// acceptable for tests).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use crate::helpers::free_port;
+
+/// Boots tried before a test gives up: a port taken between the check and the node's
+/// bind (by another test's server) stops the node, and a fresh set of ports fixes it.
+const BOOT_ATTEMPTS: usize = 3;
 
 impl PrivateRabbit {
     /// A node with only a plain AMQP listener.
@@ -91,6 +86,23 @@ impl PrivateRabbit {
     }
 
     pub fn start_with(options: NodeOptions<'_>) -> Self {
+        let mut failures = Vec::new();
+        for _ in 0..BOOT_ATTEMPTS {
+            let mut node = Self::prepare(&options);
+            match node.boot() {
+                Ok(()) => return node,
+                // Dropping the node stops what is left of it and deletes its directory.
+                Err(failure) => failures.push(failure),
+            }
+        }
+        panic!(
+            "private RabbitMQ node did not start in {BOOT_ATTEMPTS} attempts:\n{}",
+            failures.join("\n---\n")
+        )
+    }
+
+    /// A node's directory, cookie and config on fresh ports, not yet started.
+    fn prepare(options: &NodeOptions<'_>) -> Self {
         let amqp_port = free_port();
         let dir =
             std::env::temp_dir().join(format!("lapse-rabbit-{amqp_port}-{}", std::process::id()));
@@ -98,7 +110,7 @@ impl PrivateRabbit {
         for sub in ["home", "mnesia", "log"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap();
         }
-        let mut node = Self {
+        let node = Self {
             node: format!("lapse-test-{amqp_port}@localhost"),
             amqp_port,
             tls_port: free_port(),
@@ -110,8 +122,7 @@ impl PrivateRabbit {
         let cookie = node.dir.join("home/.erlang.cookie");
         std::fs::write(&cookie, format!("LAPSETEST{amqp_port}COOKIE")).unwrap();
         let _ = Command::new("chmod").arg("400").arg(&cookie).status();
-        node.write_config(&options);
-        node.boot();
+        node.write_config(options);
         node
     }
 
@@ -154,7 +165,7 @@ impl PrivateRabbit {
         .unwrap();
     }
 
-    fn boot(&mut self) {
+    fn boot(&mut self) -> Result<(), String> {
         let d = |p: &str| self.dir.join(p).display().to_string();
         let started = Command::new(format!("{BIN}/rabbitmq-server"))
             .arg("-detached")
@@ -170,20 +181,31 @@ impl PrivateRabbit {
             .env("RABBITMQ_ENABLED_PLUGINS_FILE", d("enabled_plugins"))
             .status()
             .expect("rabbitmq-server (scripts/services.sh installs it)");
-        assert!(started.success(), "rabbitmq-server -detached failed");
+        if !started.success() {
+            return Err(format!(
+                "rabbitmq-server -detached failed\n{}",
+                self.log_tail()
+            ));
+        }
         // `await_startup` fails while the node is still coming up: retry.
-        let until = Instant::now() + Duration::from_secs(90);
+        let booted = Instant::now();
+        let until = booted + Duration::from_secs(90);
         loop {
             let out = self.ctl(&["await_startup", "--timeout", "30"]);
             if out.status.success() {
                 break;
             }
-            assert!(
-                Instant::now() < until,
-                "private RabbitMQ node did not start: {}\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                self.log_tail()
-            );
+            // A node that stopped (its listener could not bind, say) never comes up:
+            // give up on it early and let the caller try fresh ports.
+            let gone = String::from_utf8_lossy(&out.stderr).contains("not running at all")
+                && booted.elapsed() > Duration::from_secs(10);
+            if gone || Instant::now() >= until {
+                return Err(format!(
+                    "{}\n{}",
+                    String::from_utf8_lossy(&out.stderr),
+                    self.log_tail()
+                ));
+            }
             std::thread::sleep(Duration::from_millis(500));
         }
         let pid = self.ctl(&["eval", "os:getpid()."]);
@@ -195,8 +217,11 @@ impl PrivateRabbit {
         );
         for flag in ["quorum_queue", "stream_queue"] {
             let out = self.ctl(&["enable_feature_flag", flag]);
-            assert!(out.status.success(), "enable_feature_flag {flag}");
+            if !out.status.success() {
+                return Err(format!("enable_feature_flag {flag} failed"));
+            }
         }
+        Ok(())
     }
 
     /// Runs `rabbitmqctl -n NODE args...` with this node's HOME (cookie).

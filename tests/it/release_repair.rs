@@ -55,7 +55,7 @@ async fn a_database_outage_during_stock_releases_parks_nothing_and_releases_each
     let env = TestEnv::new(&["250ms", "1s"]).await;
     // A small delivery budget: giving deliveries back during the outage would spend it.
     env.write_tiers(&["250ms", "1s"], "delivery_limit = 5");
-    let pg = PrivatePostgres::start(56_432 + (std::process::id() % 1000) as u16);
+    let pg = PrivatePostgres::start(crate::helpers::free_port());
     let url = pg.url("lapse");
     lapse::db::migrate(&Secret::new(url.clone())).await.unwrap();
     assert!(
