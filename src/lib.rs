@@ -21,7 +21,9 @@
 //! - [`message`]: the timeout message, its encoding and its next route.
 //! - [`parked`]: `lapse parked` — list, show, replay and purge parked messages without losing one.
 //! - [`close`]: the one guarded close path, shared by worker and sweeper.
-//! - [`worker`]: the due-queue consumer and its decision table.
+//! - [`timeline`]: the one writer of hop events on an order's timeline.
+//! - [`worker`]: the due-queue consumer: its decision table, the pure plan of each
+//!   delivery, and their execution.
 //! - [`relay`]: outbox -> broker with publisher confirms.
 //! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
 //! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
@@ -73,6 +75,7 @@ pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
 pub mod tier_check;
+pub mod timeline;
 pub mod tls;
 pub mod topology;
 pub mod worker;

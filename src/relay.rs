@@ -40,7 +40,7 @@ use crate::supervisor::Fatal;
 use crate::tier::{Tier, TierSet};
 use crate::tier_check::TierCheck;
 use crate::topology::Names;
-use outgoing::Outgoing;
+use outgoing::RowPublish;
 
 /// The channel the outbox trigger notifies.
 pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
@@ -126,7 +126,7 @@ impl Relay {
         if rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }
-        let outgoing: Vec<Outgoing> = rows
+        let outgoing: Vec<RowPublish> = rows
             .iter()
             .map(|r| self.decode(r))
             .collect::<Result<_, DbError>>()?;
@@ -137,37 +137,25 @@ impl Relay {
             self.tier_check.missing(conn, tiers).await?
         };
         let mut later = Later::default();
-        let (no_queue, ready): (Vec<&Outgoing>, Vec<&Outgoing>) = outgoing
+        let (no_queue, ready): (Vec<&RowPublish>, Vec<&RowPublish>) = outgoing
             .iter()
             .partition(|o| o.tier.is_some_and(|t| missing.contains(&t)));
         for o in no_queue {
             let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
             later.add(o, &BrokerError::MissingTier { queue });
         }
-        let messages = ready
-            .iter()
-            .map(|o| {
-                (
-                    o.exchange.clone(),
-                    o.routing_key.clone(),
-                    o.body.clone(),
-                    o.properties.clone(),
-                )
-            })
-            .collect();
+        let messages = ready.iter().map(|o| o.message.clone()).collect();
         let results = publisher.publish_all(messages).await;
         let mut sent_ids = Vec::new();
-        let mut hop_orders = Vec::new();
-        let mut hop_details = Vec::new();
+        let mut hops = Vec::new();
         let mut broken = None;
         for (o, result) in ready.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     sent_ids.push(o.outbox_id);
-                    if let Some(detail) = &o.hop {
-                        hop_orders.push(o.order_id);
-                        hop_details.push(detail.clone());
-                        self.stats.hop(detail["tier"].as_str());
+                    if let Some(hop) = &o.hop {
+                        self.stats.hop(Some(hop.tier.as_str()));
+                        hops.push(hop.clone());
                     }
                 }
                 Err(e @ (BrokerError::Nacked { .. } | BrokerError::Unroutable { .. })) => {
@@ -187,12 +175,7 @@ impl Relay {
             &[&later.ids, &later.delay_ms, &later.errors],
         )
         .await?;
-        tx.execute(
-            "INSERT INTO order_events (order_id, event, detail)
-             SELECT * FROM unnest($1::bigint[], array_fill('hop'::text, ARRAY[cardinality($1)]), $2::jsonb[])",
-            &[&hop_orders, &hop_details],
-        )
-        .await?;
+        crate::timeline::record_hops(&*tx, &hops).await?;
         tx.commit().await?;
         let stats = self.stats.by("relay");
         stats.record(Outcome::Relayed, sent_ids.len() as u64);
@@ -312,7 +295,7 @@ struct Later {
 }
 
 impl Later {
-    fn add(&mut self, o: &Outgoing, error: &BrokerError) {
+    fn add(&mut self, o: &RowPublish, error: &BrokerError) {
         let delay = retry::retry_delay(o.attempts, o.reroute_after);
         self.ids.push(o.outbox_id);
         self.delay_ms

@@ -18,7 +18,7 @@ use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKin
 
 mod publisher;
 
-pub use publisher::Publisher;
+pub use publisher::{Outgoing, Publisher};
 
 use crate::config::{BrokerConfig, Secret};
 use crate::tls::{self, TlsError, TlsFiles};

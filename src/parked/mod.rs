@@ -305,7 +305,7 @@ impl Pass {
 
     /// The copy that keeps a message parked.
     fn keep_copy(&self, delivery: &Delivery, entry: &Entry) -> Outgoing {
-        (
+        Outgoing::new(
             self.names.parked(),
             delivery.routing_key.to_string(),
             delivery.data.clone(),

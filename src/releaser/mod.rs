@@ -39,8 +39,7 @@ use crate::backoff::Backoff;
 use crate::batch::ConsumerSession;
 use crate::broker::{BrokerError, Endpoint};
 use crate::health::{Busy, Health};
-use crate::message::parked_properties;
-use crate::publishing::PublishingConnection;
+use crate::publishing::{PublishingConnection, parked_copy};
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
 
@@ -328,10 +327,8 @@ impl Releaser {
         kind: &'static str,
     ) -> Result<(), BrokerError> {
         tracing::warn!(%reason, "releaser: parking a message");
-        let properties = parked_properties(&delivery.properties, reason);
-        publishing
-            .publish(&self.names.parked(), "", &delivery.data, properties)
-            .await?;
+        let copy = parked_copy(self.names.parked(), delivery, reason);
+        publishing.publish(copy).await?;
         self.ack(delivery).await?;
         let stats = self.stats.by("releaser");
         stats.record(Outcome::Parked, 1);

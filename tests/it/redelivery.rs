@@ -141,7 +141,12 @@ async fn give_back_counts_its_own_returns_and_parks_at_lapses_limit() {
         .await
         .unwrap();
     publishing
-        .publish("", &queue, br#"{"order_id":7}"#, BasicProperties::default())
+        .publish(lapse::broker::Outgoing::new(
+            "",
+            queue.as_str(),
+            br#"{"order_id":7}"#.to_vec(),
+            BasicProperties::default(),
+        ))
         .await
         .unwrap();
 
