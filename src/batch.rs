@@ -1,6 +1,11 @@
 //! Gathering deliveries into batches: wait for the first, then take whatever else
 //! arrives within a short window, up to a size. Used by every consumer so that one
 //! database round trip serves many deliveries.
+//!
+//! Held deliveries (a timeout shorter than the smallest tier, a locked row, a publish
+//! to retry) stay in the source's own delay queue, polled by `next` together with the
+//! broker's deliveries: no task outlives the session, and closing the session (or
+//! cancelling its token) drops them unacknowledged, so the broker delivers them again.
 
 use std::time::Duration;
 
@@ -8,19 +13,19 @@ use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::time::DelayQueue;
 
 use crate::broker::{self, BrokerError, Endpoint};
 use crate::health::Health;
 use crate::publishing::PublishingConnection;
 
-/// A consumer on one queue plus a side channel of deliveries handed back for later
-/// (held timeouts).
+/// A consumer on one queue plus the deliveries held back until a moment (held
+/// timeouts, kept publishes).
 pub struct BatchSource {
     consumer: lapin::Consumer,
-    returned: mpsc::UnboundedReceiver<Delivery>,
-    pub return_to: mpsc::UnboundedSender<Delivery>,
+    held: DelayQueue<Delivery>,
     pub channel: lapin::Channel,
 }
 
@@ -48,13 +53,21 @@ impl BatchSource {
             )
             .await
             .map_err(BrokerError::amqp("basic.consume"))?;
-        let (return_to, returned) = mpsc::unbounded_channel();
         Ok(Self {
             consumer,
-            returned,
-            return_to,
+            held: DelayQueue::new(),
             channel,
         })
+    }
+
+    /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`.
+    pub fn hold(&mut self, delivery: Delivery, until: Instant) {
+        self.held.insert_at(delivery, until);
+    }
+
+    /// How many deliveries are held.
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// The next batch; `Ok(None)` once `token` is cancelled.
@@ -64,18 +77,22 @@ impl BatchSource {
         window: Duration,
         token: &CancellationToken,
     ) -> Result<Option<Vec<Delivery>>, BrokerError> {
+        // An empty delay queue answers `None` at once: that branch is then disabled
+        // for this `select!`, and nothing is held meanwhile (holds are added between
+        // batches, by the caller).
+        let held = &mut self.held;
         let first = tokio::select! {
             biased;
             _ = token.cancelled() => return Ok(None),
-            Some(d) = self.returned.recv() => d,
+            Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => d.into_inner(),
             next = self.consumer.next() => Self::unwrap(next)?,
         };
         let mut batch = vec![first];
-        let until = tokio::time::Instant::now() + window;
+        let until = Instant::now() + window;
         while batch.len() < size {
             tokio::select! {
                 biased;
-                Some(d) = self.returned.recv() => batch.push(d),
+                Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
                 next = self.consumer.next() => batch.push(Self::unwrap(next)?),
                 _ = tokio::time::sleep_until(until) => break,
             }

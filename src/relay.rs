@@ -27,6 +27,7 @@ use deadpool_postgres::Pool;
 use futures_util::StreamExt;
 use lapin::Connection;
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -209,17 +210,17 @@ impl Relay {
         token: CancellationToken,
     ) -> Result<(), Fatal> {
         let wake = Arc::new(Notify::new());
-        // Stops with `token`: the supervisor cancels it when this instance ends.
-        let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
-        let backlog = tokio::spawn(backlog::run(self.pool.clone(), token.clone()));
+        // The LISTEN connection and the backlog gauge belong to this instance: they
+        // stop with `token`, and dropping the set (the supervisor abandoning this
+        // instance at the drain limit) aborts them.
+        let mut helpers = JoinSet::new();
+        helpers.spawn(listen(db_url, wake.clone(), token.clone()));
+        helpers.spawn(backlog::run(self.pool.clone(), token.clone()));
         let result = crate::backoff::reconnecting("relay", &health, &token, || {
             self.session(&broker, &wake, poll, &health, &token)
         })
         .await;
-        listener.abort();
-        let _ = listener.await;
-        backlog.abort();
-        let _ = backlog.await;
+        helpers.shutdown().await;
         result
     }
 

@@ -22,7 +22,7 @@ mod kept;
 mod plan;
 
 pub use decide::{Action, Decider};
-use kept::{Kept, hold};
+use kept::Kept;
 pub use plan::{Publish, Step, Tiers, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
@@ -150,7 +150,12 @@ impl Consumer {
             };
             let busy = health.busy("consumer");
             let report = self
-                .process(batch, &mut session.publishing, &session.source, &mut retry)
+                .process(
+                    batch,
+                    &mut session.publishing,
+                    &mut session.source,
+                    &mut retry,
+                )
                 .await;
             // Pay for the closes after the fact: the next batch waits, so a backlog
             // drains at the configured rate. Only closes count, not duplicates or stale ones.
@@ -176,7 +181,7 @@ impl Consumer {
         &self,
         batch: Vec<Delivery>,
         publishing: &mut PublishingConnection,
-        source: &BatchSource,
+        source: &mut BatchSource,
         retry: &mut Backoff,
     ) -> Result<BatchReport, BrokerError> {
         let messages: Vec<_> = batch
@@ -224,7 +229,7 @@ impl Consumer {
         &self,
         steps: Vec<(Delivery, Step)>,
         publishing: &mut PublishingConnection,
-        source: &BatchSource,
+        source: &mut BatchSource,
         retry: &mut Backoff,
         read_at: tokio::time::Instant,
         mut kept: Kept,
@@ -244,7 +249,7 @@ impl Consumer {
                 Step::Hold { after, outcome } => {
                     self.stats.record(outcome, 1);
                     report.held += 1;
-                    hold(source, delivery, read_at + after);
+                    source.hold(delivery, read_at + after);
                 }
                 Step::Keep {
                     reroute_after,
