@@ -118,7 +118,7 @@ impl Relay {
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT id, kind, order_id, payload, now(), created_at, attempts FROM outbox
+                "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
                   WHERE not_before <= now()
                   ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
                 &[&self.batch_size],

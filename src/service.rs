@@ -73,7 +73,7 @@ impl Service {
         // back a frozen worker's deliveries.
         let broker = Endpoint {
             url: config.broker.url_with_heartbeat(),
-            ..Endpoint::from_config(&config.broker)?
+            ..config.broker.endpoint()?
         };
         let w = &config.worker;
         let pool = || db::pool(&config.database, config.database.pool_size);

@@ -64,7 +64,7 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
     let names = config.names();
     let topology = Topology::new(&names, &config.tier_file()?);
     let vhost = broker::vhost(&config.broker.url);
-    let endpoint = broker::Endpoint::from_config(&config.broker)?;
+    let endpoint = config.broker.endpoint()?;
     let management = config
         .broker
         .management_url

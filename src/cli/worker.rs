@@ -185,10 +185,13 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
         Err(e) => return Err(e.into()),
     };
     let driver = tokio::spawn(connection);
-    let schema: bool = client
-        .query_one("SELECT to_regclass('lapse_settings') IS NOT NULL", &[])
-        .await?
-        .get(0);
+    let row = client
+        .query_one(
+            "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
+            &[],
+        )
+        .await?;
+    let schema: bool = row.try_get("has_schema")?;
     drop(client);
     let _ = driver.await;
     if !schema {

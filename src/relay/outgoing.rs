@@ -52,18 +52,23 @@ impl Relay {
         (lag + Duration::from_millis(1)).min(self.tolerance)
     }
 
-    /// One outbox row (`id, kind, order_id, payload, now(), created_at, attempts`) as
+    /// One outbox row (`id, kind, order_id, payload, db_now, created_at, attempts`) as
     /// a publish. A row whose values cannot be decoded, or whose payload is not a
     /// timeout intent, is published to the parked queue with the reason (and deleted
     /// only after that publish is confirmed), never dropped and never a panic.
     pub(super) fn decode(&self, r: &tokio_postgres::Row) -> Result<RowPublish, DbError> {
-        let outbox_id: i64 = column(r, 0)?;
-        let attempts = column::<i32>(r, 6)
+        let outbox_id: i64 = column(r, "id")?;
+        let attempts = column::<i32>(r, "attempts")
             .ok()
             .and_then(|a| u32::try_from(a).ok())
             .unwrap_or(0);
         let read = || -> Result<(String, i64, Value, DateTime<Utc>), DbError> {
-            Ok((column(r, 1)?, column(r, 2)?, column(r, 3)?, column(r, 4)?))
+            Ok((
+                column(r, "kind")?,
+                column(r, "order_id")?,
+                column(r, "payload")?,
+                column(r, "db_now")?,
+            ))
         };
         let (kind, order_id, payload, db_now) = match read() {
             Ok(fields) => fields,
@@ -73,7 +78,7 @@ impl Relay {
             }
         };
         // The lag only widens the tier choice; an unreadable write time counts as none.
-        let lag = column::<DateTime<Utc>>(r, 5)
+        let lag = column::<DateTime<Utc>>(r, "created_at")
             .ok()
             .and_then(|written| (db_now - written).to_std().ok())
             .unwrap_or_default();

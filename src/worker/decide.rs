@@ -1,4 +1,4 @@
-//! The worker's decision for a batch of deliveries (SPEC §3), as data: read the
+//! The worker's decision for a batch of deliveries (docs/pipeline.md), as data: read the
 //! orders and the database clock in one transaction, close what is due with the
 //! guarded UPDATE in the same transaction, and say what to do with each delivery.
 //! Executing the actions (publish, ack, park, hold) is the consumer's job.
@@ -68,20 +68,20 @@ struct OrderRow {
 
 impl OrderRow {
     /// Decodes one row of the batch read (`id, status, deadline_version, expire_at,
-    /// expire_at::text` from column 1): `None` for the no-order row of the LEFT JOIN.
+    /// raw`): `None` for the no-order row of the LEFT JOIN.
     fn decode(row: &tokio_postgres::Row) -> Option<(i64, Result<Self, String>)> {
-        let id: i64 = db::column::<Option<i64>>(row, 1).ok()??;
+        let id: i64 = db::column::<Option<i64>>(row, "id").ok()??;
         let fields = || -> Result<Self, DbError> {
-            let expire_at = db::column(row, 4)
+            let expire_at = db::column(row, "expire_at")
                 .map_err(|e| e.to_string())
                 .and_then(|t| deadline::checked(t).map_err(|e| e.to_string()))
                 .map_err(|e| {
-                    let raw: String = db::column(row, 5).unwrap_or_else(|_| "?".into());
+                    let raw: String = db::column(row, "raw").unwrap_or_else(|_| "?".into());
                     format!("order {id} has a deadline lapse cannot handle ({raw}): {e}")
                 });
             Ok(Self {
-                status: db::column(row, 2)?,
-                deadline_version: db::column(row, 3)?,
+                status: db::column(row, "status")?,
+                deadline_version: db::column(row, "deadline_version")?,
                 expire_at,
             })
         };
@@ -144,7 +144,7 @@ impl Decider {
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text
+                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text AS raw
                    FROM (SELECT now()) AS n(now)
                    LEFT JOIN orders o ON o.id = ANY($1)",
                 &[&ids],
@@ -153,7 +153,7 @@ impl Decider {
         let first = rows
             .first()
             .ok_or_else(|| DbError::Unreadable("the batch read returned no row".into()))?;
-        let db_now: DateTime<Utc> = db::column(first, 0)?;
+        let db_now: DateTime<Utc> = db::column(first, "now")?;
         let orders: HashMap<i64, Result<OrderRow, String>> =
             rows.iter().filter_map(OrderRow::decode).collect();
         let candidates: Vec<Candidate> = messages
