@@ -24,7 +24,6 @@
 
 use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::broker::BrokerError;
@@ -132,11 +131,7 @@ pub async fn give_back(
             publishing.publish(copy).await?;
         }
     }
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map_err(BrokerError::amqp("basic.ack"))?;
+    crate::batch::ack(delivery).await?;
     Ok(verdict)
 }
 

@@ -27,7 +27,9 @@ pub use entry::{Entry, Kind, ReasonSource, headers_json, rfc3339};
 pub use route::Router;
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+
+use crate::batch::ack;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ErrorKind};
@@ -327,15 +329,6 @@ async fn channel(conn: &Connection) -> Result<lapin::Channel, BrokerError> {
     conn.create_channel()
         .await
         .map_err(BrokerError::amqp("channel.open"))
-}
-
-async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map(|_| ())
-        .map_err(BrokerError::amqp("basic.ack"))
 }
 
 fn resource_locked(err: &lapin::Error) -> bool {

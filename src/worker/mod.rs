@@ -30,14 +30,13 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{BatchSource, ConsumerSession};
+use crate::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, ack, consume};
 use crate::broker::{BrokerError, Endpoint};
 use crate::config::Config;
-use crate::health::Health;
+use crate::health::{Busy, Health};
 use crate::message::TimeoutMessage;
 use crate::publishing::{Outgoing, PublishingConnection, parked_copy};
 use crate::rate::RateLimiter;
@@ -58,6 +57,43 @@ pub struct Consumer {
     pub batch_window: Duration,
     pub limiter: RateLimiter,
     pub tier_check: TierCheck,
+}
+
+/// The consumer's side of a session: `retry` paces the deliveries kept after a failed
+/// publish, for the session's lifetime.
+struct Batches<'a> {
+    consumer: &'a Consumer,
+    retry: Backoff,
+}
+
+impl BatchHandler for Batches<'_> {
+    async fn handle(
+        &mut self,
+        batch: Vec<Delivery>,
+        session: &mut ConsumerSession,
+        token: &CancellationToken,
+        busy: &Busy,
+    ) -> Result<(), BrokerError> {
+        let report = self
+            .consumer
+            .process(
+                batch,
+                &mut session.publishing,
+                &mut session.source,
+                &mut self.retry,
+            )
+            .await?;
+        // Pay for the closes after the fact: the next batch waits, so a backlog
+        // drains at the configured rate. Only closes count, not duplicates or stale ones.
+        // A shutdown ends the wait at once (the next `next` then stops the loop).
+        busy.idle_while(
+            self.consumer
+                .limiter
+                .acquire_or_cancelled(report.closed, token),
+        )
+        .await;
+        Ok(())
+    }
 }
 
 /// What one batch did.
@@ -118,59 +154,30 @@ impl Consumer {
         .await
     }
 
-    /// One broker session. Opening it and each batch are units of work for the
-    /// liveness check; waiting for deliveries and rate limiting are not.
+    /// One broker session (the loop shared with the releaser, [`consume`]). Opening
+    /// it and each batch are units of work for the liveness check; waiting for
+    /// deliveries and rate limiting are not.
     async fn session(
         &self,
         broker: &Endpoint,
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let queue = self.names.due_queue();
-        let mut session = ConsumerSession::open(
-            broker,
-            "worker",
-            &self.names.prefix,
-            "consumer",
-            health,
-            &queue,
-            self.prefetch,
-        )
-        .await?;
-        let mut retry = Backoff::new();
-        let result = loop {
-            let batch = match session
-                .source
-                .next(self.batch_size, self.batch_window, token)
-                .await
-            {
-                Ok(Some(batch)) => batch,
-                Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
-            };
-            let busy = health.busy("consumer");
-            let report = self
-                .process(
-                    batch,
-                    &mut session.publishing,
-                    &mut session.source,
-                    &mut retry,
-                )
-                .await;
-            // Pay for the closes after the fact: the next batch waits, so a backlog
-            // drains at the configured rate. Only closes count, not duplicates or stale ones.
-            // A shutdown ends the wait at once (the next `next` then stops the loop).
-            if let Ok(report) = &report {
-                busy.idle_while(self.limiter.acquire_or_cancelled(report.closed, token))
-                    .await;
-            }
-            drop(busy);
-            if let Err(e) = report {
-                break Err(e);
-            }
+        let how = Consuming {
+            endpoint: broker,
+            role: "worker",
+            prefix: &self.names.prefix,
+            component: "consumer",
+            queue: self.names.due_queue(),
+            prefetch: self.prefetch,
+            batch_size: self.batch_size,
+            batch_window: self.batch_window,
         };
-        session.close().await;
-        result
+        let mut batches = Batches {
+            consumer: self,
+            retry: Backoff::new(),
+        };
+        consume(&how, health, token, &mut batches).await
     }
 
     /// Decides and carries out one batch: the decision (database read and close, then
@@ -355,13 +362,4 @@ impl Consumer {
         };
         let _ = crate::timeline::record_hops(&**client, hops).await;
     }
-}
-
-async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map(|_| ())
-        .map_err(BrokerError::amqp("basic.ack"))
 }
