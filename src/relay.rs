@@ -99,7 +99,7 @@ impl Relay {
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
             names: config.names(),
             tiers,
-            tolerance: config.worker.tier_tolerance,
+            tolerance: config.relay.tier_tolerance,
             batch_size: config.relay.batch_size,
             stats,
         }

@@ -130,11 +130,14 @@ pub struct WorkerConfig {
     /// How long to wait for a batch to fill once its first delivery arrived.
     #[serde(with = "humantime_serde")]
     pub batch_window: Duration,
-    /// Upper bound on the slack the relay allows when choosing a first tier, so that a
-    /// deadline equal to a tier takes one hop although the relay publishes a little
-    /// after the order was written (the slack used is the relay's actual lag).
-    #[serde(with = "humantime_serde")]
-    pub tier_tolerance: Duration,
+    /// Deprecated: the relay's key [`RelayConfig::tier_tolerance`]. Still read (with a
+    /// warning) when `relay.tier_tolerance` is not set; never used otherwise.
+    #[serde(
+        default,
+        with = "humantime_serde::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tier_tolerance: Option<Duration>,
     /// Retries after database errors before a timeout is parked.
     pub max_attempts: u32,
     /// First retry delay after a database error; doubles per attempt.
@@ -158,6 +161,11 @@ pub struct WorkerConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RelayConfig {
+    /// Upper bound on the slack the relay allows when choosing a first tier, so that a
+    /// deadline equal to a tier takes one hop although the relay publishes a little
+    /// after the order was written (the slack used is the relay's actual lag).
+    #[serde(with = "humantime_serde")]
+    pub tier_tolerance: Duration,
     /// Outbox rows published per round.
     pub batch_size: i64,
     /// Polling fallback when no notification arrives.
@@ -231,7 +239,7 @@ impl Default for Config {
                 prefetch: 1000,
                 batch_size: 100,
                 batch_window: Duration::from_millis(2),
-                tier_tolerance: Duration::from_millis(50),
+                tier_tolerance: None,
                 max_attempts: 8,
                 retry_backoff: Duration::from_millis(500),
                 drain_timeout: Duration::from_secs(10),
@@ -240,6 +248,7 @@ impl Default for Config {
                 stall_limit: Duration::from_secs(60),
             },
             relay: RelayConfig {
+                tier_tolerance: Duration::from_millis(50),
                 batch_size: 500,
                 poll_interval: Duration::from_millis(500),
             },
@@ -259,6 +268,39 @@ impl Default for Config {
     }
 }
 
+/// Keys that moved to another section: `(old, new)`. An old key still works when the
+/// new one is not set, with a deprecation warning; when both are set the new one wins.
+pub const MOVED_KEYS: [(&str, &str); 1] = [("worker.tier_tolerance", "relay.tier_tolerance")];
+
+/// Applies [`MOVED_KEYS`] to what the user configured (file and environment, without
+/// the defaults); returns the warnings to show.
+pub fn moved_keys(user: Figment) -> (Figment, Vec<String>) {
+    let mut warnings = Vec::new();
+    let mut user = user;
+    for (old, new) in MOVED_KEYS {
+        let Ok(value) = user.find_value(old) else {
+            continue;
+        };
+        // A value that is not a duration stays where the user wrote it, so that the
+        // error names the key in the file or the environment.
+        let duration = value.deserialize::<humantime_serde::Serde<Duration>>();
+        if duration.is_err() {
+            continue;
+        }
+        if user.find_value(new).is_ok() {
+            warnings.push(format!(
+                "configuration: `{old}` is deprecated and ignored because `{new}` is set; remove it"
+            ));
+        } else {
+            warnings.push(format!(
+                "configuration: `{old}` is deprecated; use `{new}` (read this time)"
+            ));
+            user = user.merge(Serialized::global(new, value));
+        }
+    }
+    (user, warnings)
+}
+
 impl Config {
     /// Loads defaults, then `file` (required to exist when `explicit`), then the
     /// environment, and validates the result.
@@ -269,9 +311,12 @@ impl Config {
                 format!("no such file: {}", file.display()),
             ));
         }
-        let figment = Figment::from(Serialized::defaults(Config::default()))
-            .merge(Toml::file(file))
-            .merge(env());
+        let user = Figment::new().merge(Toml::file(file)).merge(env());
+        let (user, warnings) = moved_keys(user);
+        for warning in &warnings {
+            tracing::warn!("{warning}");
+        }
+        let figment = Figment::from(Serialized::defaults(Config::default())).merge(user);
         Self::from_figment(figment)
     }
 

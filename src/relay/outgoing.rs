@@ -45,7 +45,7 @@ pub(super) struct RowPublish {
 impl Relay {
     /// How much longer than the remaining time a first hop's tier may be: the time
     /// the relay itself took since the intent's transaction began (plus 1 ms for the
-    /// deadline's millisecond rounding), capped by `worker.tier_tolerance`. A
+    /// deadline's millisecond rounding), capped by `relay.tier_tolerance`. A
     /// deadline equal to a tier then takes one hop, and the tier choice adds no more
     /// lateness than the relay's own lag.
     fn slack(&self, lag: Duration) -> Duration {
