@@ -109,6 +109,7 @@ impl Relay {
     /// exist (asked on `conn`, the publisher's connection), publish the rest with
     /// confirms, delete what was confirmed and routed, reschedule what was refused or
     /// returned or had no tier queue.
+    // Over 60 lines on purpose: one round is one transaction (read, check tiers, publish, delete, reschedule, record hops, commit); pieces would pass the transaction and its collections around.
     pub async fn run_once(
         &self,
         conn: &Connection,

@@ -59,6 +59,7 @@ pub struct WorkerArgs {
     metrics_listen: Option<SocketAddr>,
 }
 
+// Over 60 lines on purpose: the start-up sequence in order (bind, migrate or check, start, serve, wait, report); each step is one call and the order is the point.
 pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitStatus> {
     let w = &mut config.worker;
     w.consumer &= !args.no_consumer;

@@ -116,6 +116,7 @@ impl Relay {
         }
     }
 
+    // Over 60 lines on purpose: the three kinds of row (stock release, timeout intent, neither) as one decision.
     fn outgoing(&self, row: OutboxRow, db_now: DateTime<Utc>, lag: Duration) -> RowPublish {
         let OutboxRow {
             outbox_id,

@@ -142,6 +142,7 @@ impl Releaser {
     /// alone; each is tried [`PERMANENT_ATTEMPTS`] times, then parked with the reason —
     /// unless every event of the batch failed identically (see [`systemic`]): then
     /// the batch is held and retried up to [`SYSTEMIC_ROUNDS`] times first.
+    // Over 60 lines on purpose: the retry state machine of one batch (split, systemic, permanent), documented above.
     async fn process(
         &self,
         batch: Vec<Delivery>,
@@ -229,6 +230,7 @@ impl Releaser {
     /// Tries `work` once: releases what it can (acknowledging those deliveries),
     /// splits chunks that fail permanently down to single events, retries transient
     /// errors with back-off. Returns what is left.
+    // Over 60 lines on purpose: one try of each chunk with its three answers (released, transient, permanent), each with its counters.
     async fn round(
         &self,
         mut work: Vec<Vec<Pending>>,

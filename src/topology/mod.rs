@@ -116,6 +116,7 @@ pub struct Names {
 }
 
 impl Names {
+    // Over 60 lines on purpose: the broker objects as data, in the order `apply` declares them; read top to bottom it is the topology.
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),
