@@ -30,15 +30,17 @@
 //! - [`reconciler`]: re-emits stock releases lost after a close (run by the sweeper's leader).
 //! - [`service`]: `lapse worker` — starts the components under the supervisor.
 //! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
-//! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
+//! - [`batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
+//! - [`rate`], [`backoff`]: the closes-per-second bucket; retry pacing and jittered reconnects.
 //! - [`stats`]: outcome counters and the lateness histogram.
 //! - [`metric_catalog`]: every exported metric's name, help text and buckets.
 //! - [`health`], [`http`], [`readiness`]: component health and liveness, and the
-//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint.
+//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
 //! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
 //!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
-//! - [`redact`]: masks passwords in every error, log line and panic message.
+//! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
+//!   and panic message (a leaf: every layer may hold a secret).
 //! - [`telemetry`]: structured logs.
 //! - [`cli`]: the command line.
 
