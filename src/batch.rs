@@ -1,26 +1,31 @@
 //! Gathering deliveries into batches: wait for the first, then take whatever else
 //! arrives within a short window, up to a size. Used by every consumer so that one
 //! database round trip serves many deliveries.
+//!
+//! Held deliveries (a timeout shorter than the smallest tier, a locked row, a publish
+//! to retry) stay in the source's own delay queue, polled by `next` together with the
+//! broker's deliveries: no task outlives the session, and closing the session (or
+//! cancelling its token) drops them unacknowledged, so the broker delivers them again.
 
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::time::DelayQueue;
 
 use crate::broker::{self, BrokerError, Endpoint};
-use crate::health::Health;
-use crate::publishing::PublishingConnection;
+use crate::health::{Busy, Health};
+use crate::publishing::{PublishingConnection, parked_copy};
 
-/// A consumer on one queue plus a side channel of deliveries handed back for later
-/// (held timeouts).
+/// A consumer on one queue plus the deliveries held back until a moment (held
+/// timeouts, kept publishes).
 pub struct BatchSource {
     consumer: lapin::Consumer,
-    returned: mpsc::UnboundedReceiver<Delivery>,
-    pub return_to: mpsc::UnboundedSender<Delivery>,
+    held: DelayQueue<Delivery>,
     pub channel: lapin::Channel,
 }
 
@@ -48,13 +53,21 @@ impl BatchSource {
             )
             .await
             .map_err(BrokerError::amqp("basic.consume"))?;
-        let (return_to, returned) = mpsc::unbounded_channel();
         Ok(Self {
             consumer,
-            returned,
-            return_to,
+            held: DelayQueue::new(),
             channel,
         })
+    }
+
+    /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`.
+    pub fn hold(&mut self, delivery: Delivery, until: Instant) {
+        self.held.insert_at(delivery, until);
+    }
+
+    /// How many deliveries are held.
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// The next batch; `Ok(None)` once `token` is cancelled.
@@ -64,18 +77,22 @@ impl BatchSource {
         window: Duration,
         token: &CancellationToken,
     ) -> Result<Option<Vec<Delivery>>, BrokerError> {
+        // An empty delay queue answers `None` at once: that branch is then disabled
+        // for this `select!`, and nothing is held meanwhile (holds are added between
+        // batches, by the caller).
+        let held = &mut self.held;
         let first = tokio::select! {
             biased;
             _ = token.cancelled() => return Ok(None),
-            Some(d) = self.returned.recv() => d,
+            Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => d.into_inner(),
             next = self.consumer.next() => Self::unwrap(next)?,
         };
         let mut batch = vec![first];
-        let until = tokio::time::Instant::now() + window;
+        let until = Instant::now() + window;
         while batch.len() < size {
             tokio::select! {
                 biased;
-                Some(d) = self.returned.recv() => batch.push(d),
+                Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
                 next = self.consumer.next() => batch.push(Self::unwrap(next)?),
                 _ = tokio::time::sleep_until(until) => break,
             }
@@ -158,4 +175,97 @@ impl ConsumerSession {
         broker::close_quietly(&self.conn, "consumer stopping").await;
         self.publishing.close().await;
     }
+}
+
+/// Acknowledges one delivery (every consumer acknowledges this way).
+pub async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(BrokerError::amqp("basic.ack"))
+}
+
+impl ConsumerSession {
+    /// Publishes a parked copy of `delivery` with `reason` on `parked_exchange`, then
+    /// acknowledges it; on error nothing was acknowledged.
+    pub async fn park(
+        &mut self,
+        parked_exchange: String,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<(), BrokerError> {
+        self.publishing
+            .publish(parked_copy(parked_exchange, delivery, reason))
+            .await?;
+        ack(delivery).await
+    }
+}
+
+/// What a consuming component does with each batch; the session loop around it is
+/// [`consume`], the same for every consumer.
+pub(crate) trait BatchHandler {
+    /// Handles one batch. `busy` marks the unit of work for the liveness check (wrap
+    /// waits that are not a stall in `busy.idle_while`). An error ends the session;
+    /// unacknowledged deliveries then return to the queue.
+    async fn handle(
+        &mut self,
+        batch: Vec<Delivery>,
+        session: &mut ConsumerSession,
+        token: &CancellationToken,
+        busy: &Busy,
+    ) -> Result<(), BrokerError>;
+}
+
+/// Where and how a component consumes.
+pub struct Consuming<'a> {
+    pub endpoint: &'a Endpoint,
+    /// `worker` or `releaser`: the connection names' role.
+    pub role: &'a str,
+    pub prefix: &'a str,
+    /// The component's name on `/health`.
+    pub component: &'static str,
+    pub queue: String,
+    pub prefetch: u16,
+    pub batch_size: usize,
+    pub batch_window: Duration,
+}
+
+/// One consuming session: opens it, hands each batch to `handler` until `token` is
+/// cancelled or something fails, then closes it (held and unacknowledged deliveries
+/// return to the queue). Run it under [`crate::backoff::reconnecting`].
+pub(crate) async fn consume<H: BatchHandler>(
+    how: &Consuming<'_>,
+    health: &Health,
+    token: &CancellationToken,
+    handler: &mut H,
+) -> Result<(), BrokerError> {
+    let mut session = ConsumerSession::open(
+        how.endpoint,
+        how.role,
+        how.prefix,
+        how.component,
+        health,
+        &how.queue,
+        how.prefetch,
+    )
+    .await?;
+    let result = loop {
+        let batch = match session
+            .source
+            .next(how.batch_size, how.batch_window, token)
+            .await
+        {
+            Ok(Some(batch)) => batch,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let busy = health.busy(how.component);
+        if let Err(e) = handler.handle(batch, &mut session, token, &busy).await {
+            break Err(e);
+        }
+    };
+    session.close().await;
+    result
 }

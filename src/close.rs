@@ -144,9 +144,10 @@ pub async fn close_due(
         .await?;
     let mut report = CloseReport::default();
     for r in &rows {
-        let order_id: i64 = column(r, 0)?;
+        let order_id: i64 = column(r, "id")?;
         let at: Option<(DateTime<Utc>, DateTime<Utc>)> =
-            column::<Option<DateTime<Utc>>>(r, 1)?.zip(column::<Option<DateTime<Utc>>>(r, 2)?);
+            column::<Option<DateTime<Utc>>>(r, "expire_at")?
+                .zip(column::<Option<DateTime<Utc>>>(r, "closed_at")?);
         match at {
             Some((expire_at, closed_at)) => report.closed.push(Closed {
                 order_id,

@@ -64,12 +64,10 @@ pub fn refusal(e: tokio_postgres::Error) -> DbError {
 /// Decodes column `idx` of `row`, as a typed error instead of a panic.
 pub fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
     row: &'a tokio_postgres::Row,
-    idx: usize,
+    name: &str,
 ) -> Result<T, DbError> {
-    row.try_get(idx).map_err(|e| {
-        let name = row.columns().get(idx).map_or("?", |c| c.name());
-        DbError::Unreadable(format!("column {name}: {e}"))
-    })
+    row.try_get(name)
+        .map_err(|e| DbError::Unreadable(format!("column {name}: {e}")))
 }
 
 impl DbError {

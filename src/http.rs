@@ -11,19 +11,17 @@
 //!   stalled, 503 otherwise. A component that is down is retrying on its own: that is
 //!   for alerts and dashboards, not a reason to restart.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
-use tokio::net::TcpListener;
-use tokio::task::JoinSet;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::health::Health;
@@ -58,7 +56,9 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<Arc<TcpListener>> {
 }
 
 /// Serves `/metrics`, `/livez`, `/readyz` and `/health` on `listener` until `token`
-/// is cancelled. Connections are tasks of this server and end with it.
+/// is cancelled, then shuts down gracefully: no new connections, requests in flight
+/// answered, idle keep-alive connections closed. Connections are tasks of this server
+/// (axum's), which is one supervised task: the supervisor's drain limit bounds it.
 pub async fn serve(
     listener: Arc<TcpListener>,
     metrics: PrometheusHandle,
@@ -66,110 +66,126 @@ pub async fn serve(
     readiness: Readiness,
     token: CancellationToken,
 ) -> Result<(), Fatal> {
-    let mut connections = JoinSet::new();
-    loop {
-        let accepted = tokio::select! {
-            _ = token.cancelled() => return Ok(()),
-            Some(_) = connections.join_next() => continue,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of file descriptors and the like: pause instead of spinning.
-                tracing::warn!(error = %e, "cannot accept a connection on the metrics endpoint");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (metrics, health, readiness) = (metrics.clone(), health.clone(), readiness.clone());
-        connections.spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                respond(req, metrics.clone(), health.clone(), readiness.clone())
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/health", get(health_view))
+        .fallback(not_found)
+        .with_state(Endpoint {
+            metrics,
+            health,
+            readiness,
         });
-    }
+    axum::serve(Shared(listener), app)
+        .with_graceful_shutdown(token.cancelled_owned())
+        .await
+        .map_err(|e| Fatal(format!("metrics endpoint: {e}")))
 }
 
-async fn respond(
-    req: Request<Incoming>,
+/// What the handlers read.
+#[derive(Clone)]
+struct Endpoint {
     metrics: PrometheusHandle,
     health: Health,
     readiness: Readiness,
-) -> Result<Response<Full<Bytes>>, Infallible> {
-    let (status, content_type, body) = match req.uri().path() {
-        "/metrics" => (
-            StatusCode::OK,
-            "text/plain; version=0.0.4",
-            metrics.render(),
-        ),
-        "/livez" => {
-            let stalled: Vec<_> = health
-                .stalled()
-                .into_iter()
-                .map(|(component, busy)| {
-                    serde_json::json!({
-                        "component": component,
-                        "busy_ms": u64::try_from(busy.as_millis()).unwrap_or(u64::MAX),
-                    })
-                })
-                .collect();
-            let live = stalled.is_empty();
-            let body = serde_json::json!({
-                "status": if live { "live" } else { "stalled" },
-                "stall_limit_ms": u64::try_from(health.stall_limit().as_millis()).unwrap_or(u64::MAX),
-                "stalled": stalled,
-            });
-            let status = if live {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            (status, "application/json", body.to_string())
+}
+
+/// The listener bound at start, shared by every (re)start of the server: a restart
+/// never has to bind again.
+struct Shared(Arc<TcpListener>);
+
+impl axum::serve::Listener for Shared {
+    type Io = TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (TcpStream, SocketAddr) {
+        loop {
+            match self.0.accept().await {
+                Ok(accepted) => return accepted,
+                Err(e) => {
+                    // Out of file descriptors and the like: pause instead of spinning.
+                    tracing::warn!(error = %e, "cannot accept a connection on the metrics endpoint");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
         }
-        "/readyz" => {
-            let (ready, body) = readiness.check(&health).await;
-            let status = if ready {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            (status, "application/json", body.to_string())
-        }
-        "/health" => {
-            let healthy = health.healthy();
-            let status = if healthy {
-                "ok"
-            } else if health.live() {
-                "degraded"
-            } else {
-                "stalled"
-            };
-            let body = serde_json::json!({
-                "status": status,
-                "components": health.snapshot(),
-            });
-            let status = if healthy {
-                StatusCode::OK
-            } else {
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            (status, "application/json", body.to_string())
-        }
-        _ => (
-            StatusCode::NOT_FOUND,
-            "text/plain",
-            "try /metrics, /livez, /readyz or /health\n".to_string(),
-        ),
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
+    }
+}
+
+fn json(ok: bool, body: serde_json::Value) -> Response {
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     };
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(content_type),
-    );
-    Ok(response)
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn metrics_text(State(e): State<Endpoint>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        e.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn livez(State(e): State<Endpoint>) -> Response {
+    let stalled: Vec<_> = e
+        .health
+        .stalled()
+        .into_iter()
+        .map(|(component, busy)| {
+            serde_json::json!({
+                "component": component,
+                "busy_ms": u64::try_from(busy.as_millis()).unwrap_or(u64::MAX),
+            })
+        })
+        .collect();
+    let live = stalled.is_empty();
+    let body = serde_json::json!({
+        "status": if live { "live" } else { "stalled" },
+        "stall_limit_ms": u64::try_from(e.health.stall_limit().as_millis()).unwrap_or(u64::MAX),
+        "stalled": stalled,
+    });
+    json(live, body)
+}
+
+async fn readyz(State(e): State<Endpoint>) -> Response {
+    let (ready, body) = e.readiness.check(&e.health).await;
+    json(ready, body)
+}
+
+async fn health_view(State(e): State<Endpoint>) -> Response {
+    let healthy = e.health.healthy();
+    let status = if healthy {
+        "ok"
+    } else if e.health.live() {
+        "degraded"
+    } else {
+        "stalled"
+    };
+    let body = serde_json::json!({
+        "status": status,
+        "components": e.health.snapshot(),
+    });
+    json(healthy, body)
+}
+
+async fn not_found() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        [(header::CONTENT_TYPE, "text/plain")],
+        "try /metrics, /livez, /readyz or /health\n",
+    )
+        .into_response()
 }

@@ -21,22 +21,26 @@
 //! - [`message`]: the timeout message, its encoding and its next route.
 //! - [`parked`]: `lapse parked` — list, show, replay and purge parked messages without losing one.
 //! - [`close`]: the one guarded close path, shared by worker and sweeper.
-//! - [`worker`]: the due-queue consumer and its decision table.
+//! - [`timeline`]: the one writer of hop events on an order's timeline.
+//! - [`worker`]: the due-queue consumer: its decision table, the pure plan of each
+//!   delivery, and their execution.
 //! - [`relay`]: outbox -> broker with publisher confirms.
 //! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
 //! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
 //! - [`reconciler`]: re-emits stock releases lost after a close (run by the sweeper's leader).
 //! - [`service`]: `lapse worker` — starts the components under the supervisor.
 //! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
-//! - [`batch`], [`rate`], [`backoff`]: delivery batching, the closes-per-second bucket, retry pacing.
+//! - [`batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
+//! - [`rate`], [`backoff`]: the closes-per-second bucket; retry pacing and jittered reconnects.
 //! - [`stats`]: outcome counters and the lateness histogram.
 //! - [`metric_catalog`]: every exported metric's name, help text and buckets.
 //! - [`health`], [`http`], [`readiness`]: component health and liveness, and the
-//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint.
+//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
 //! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
 //!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
-//! - [`redact`]: masks passwords in every error, log line and panic message.
+//! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
+//!   and panic message (a leaf: every layer may hold a secret).
 //! - [`telemetry`]: structured logs.
 //! - [`cli`]: the command line.
 
@@ -73,6 +77,7 @@ pub mod sweeper;
 pub mod telemetry;
 pub mod tier;
 pub mod tier_check;
+pub mod timeline;
 pub mod tls;
 pub mod topology;
 pub mod worker;

@@ -8,7 +8,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::config::Secret;
+use crate::redact::Secret;
 use crate::tls::TlsFiles;
 
 #[derive(Debug, thiserror::Error)]

@@ -108,7 +108,7 @@ pub struct Route {
 }
 
 impl Route {
-    /// SPEC "Choosing a tier": a wait tier when one fits, else straight to the due
+    /// The tier rule (docs/pipeline.md): a wait tier when one fits, else straight to the due
     /// queue (the worker waits out a remainder shorter than the smallest tier).
     pub fn for_remaining(
         names: &Names,

@@ -119,12 +119,12 @@ pub async fn create<C: GenericClient>(
     let lines = json!(lines);
     let row = client
         .query_one(
-            &format!("SELECT lapse_create_order({DEADLINE_SQL}, $3::jsonb)"),
+            &format!("SELECT lapse_create_order({DEADLINE_SQL}, $3::jsonb) AS id"),
             &[&at, &in_ms, &lines],
         )
         .await
         .map_err(deadline_error)?;
-    Ok(OrderId(column(&row, 0)?))
+    Ok(OrderId(column(&row, "id")?))
 }
 
 /// Moves the deadline of an UNPAID order whose deadline has not passed (by the real
@@ -139,12 +139,12 @@ pub async fn extend<C: GenericClient>(
     let (at, in_ms) = deadline.sql_params()?;
     let row = client
         .query_one(
-            &format!("SELECT lapse_extend_deadline($3, {DEADLINE_SQL})"),
+            &format!("SELECT lapse_extend_deadline($3, {DEADLINE_SQL}) AS version"),
             &[&at, &in_ms, &id.0],
         )
         .await
         .map_err(deadline_error)?;
-    column(&row, 0)
+    column(&row, "version")
 }
 
 /// What a payment did.
@@ -167,10 +167,10 @@ pub enum PayOutcome {
 /// LP003) and nothing changes.
 pub async fn pay<C: GenericClient>(client: &C, id: OrderId) -> Result<PayOutcome, DbError> {
     let row = client
-        .query_one("SELECT lapse_pay_order($1)", &[&id.0])
+        .query_one("SELECT lapse_pay_order($1) AS outcome", &[&id.0])
         .await
         .map_err(crate::db::refusal)?;
-    let outcome: String = column(&row, 0)?;
+    let outcome: String = column(&row, "outcome")?;
     Ok(match outcome.as_str() {
         "PAID" => PayOutcome::Paid,
         "ALREADY_PAID" => PayOutcome::AlreadyPaid,
@@ -199,11 +199,13 @@ pub struct OrderView {
 
 /// An order as stored. [`DbError::Unreadable`] when a value cannot be decoded (e.g. a
 /// deadline written before the deadline rules existed): the message names the raw value.
+// Over 60 lines on purpose: one read and one struct literal; the length is the fields.
 pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<OrderView>, DbError> {
     let Some(row) = client
         .query_opt(
             "SELECT status, created_at, expire_at, deadline_version, paid_at, closed_at, close_reason,
-                    (SELECT count(*) FROM late_payments WHERE order_id = $1), expire_at::text
+                    (SELECT count(*) FROM late_payments WHERE order_id = $1) AS late_payments,
+                    expire_at::text AS raw
                FROM orders WHERE id = $1",
             &[&id.0],
         )
@@ -211,10 +213,10 @@ pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<Or
     else {
         return Ok(None);
     };
-    let expire_at = column(&row, 2)
+    let expire_at = column(&row, "expire_at")
         .and_then(|t| crate::deadline::checked(t).map_err(|e| DbError::Unreadable(e.to_string())))
         .map_err(|_| {
-            let raw: String = column(&row, 8).unwrap_or_else(|_| "?".into());
+            let raw: String = column(&row, "raw").unwrap_or_else(|_| "?".into());
             DbError::Unreadable(format!(
                 "order {id} has a deadline lapse cannot handle ({raw}); \
                  see \"Orders with an unreadable deadline\" in docs/operations.md"
@@ -229,35 +231,35 @@ pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<Or
         .iter()
         .map(|r| {
             Ok(Line {
-                sku: column(r, 0)?,
-                qty: column(r, 1)?,
+                sku: column(r, "sku")?,
+                qty: column(r, "qty")?,
             })
         })
         .collect::<Result<_, DbError>>()?;
     let ledger = json_rows(
         client,
-        "SELECT jsonb_build_object('sku', sku, 'kind', kind, 'qty', qty, 'at', at)
+        "SELECT jsonb_build_object('sku', sku, 'kind', kind, 'qty', qty, 'at', at) AS entry
            FROM stock_ledger WHERE order_id = $1 ORDER BY at, sku",
         id,
     )
     .await?;
     let timeline = json_rows(
         client,
-        "SELECT jsonb_build_object('at', at, 'event', event) || detail
+        "SELECT jsonb_build_object('at', at, 'event', event) || detail AS entry
            FROM order_events WHERE order_id = $1 ORDER BY at",
         id,
     )
     .await?;
     Ok(Some(OrderView {
         id,
-        status: column(&row, 0)?,
-        created_at: column(&row, 1)?,
+        status: column(&row, "status")?,
+        created_at: column(&row, "created_at")?,
         expire_at,
-        deadline_version: column(&row, 3)?,
-        paid_at: column(&row, 4)?,
-        closed_at: column(&row, 5)?,
-        close_reason: column(&row, 6)?,
-        late_payments: column(&row, 7)?,
+        deadline_version: column(&row, "deadline_version")?,
+        paid_at: column(&row, "paid_at")?,
+        closed_at: column(&row, "closed_at")?,
+        close_reason: column(&row, "close_reason")?,
+        late_payments: column(&row, "late_payments")?,
         lines,
         ledger,
         timeline,
@@ -273,7 +275,7 @@ async fn json_rows<C: GenericClient>(
         .query(sql, &[&id.0])
         .await?
         .iter()
-        .map(|r| column(r, 0))
+        .map(|r| column(r, "entry"))
         .collect()
 }
 
@@ -287,14 +289,14 @@ pub async fn extend_by<C: GenericClient>(
     let by_ms = ceil_millis(by).map_err(invalid)?;
     let row = client
         .query_opt(
-            "SELECT lapse_extend_deadline(id, expire_at + $2::bigint * interval '1 millisecond')
+            "SELECT lapse_extend_deadline(id, expire_at + $2::bigint * interval '1 millisecond') AS version
                FROM orders WHERE id = $1",
             &[&id.0, &by_ms],
         )
         .await
         .map_err(deadline_error)?;
     match row {
-        Some(row) => column(&row, 0),
+        Some(row) => column(&row, "version"),
         None => Ok(None),
     }
 }

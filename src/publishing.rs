@@ -18,16 +18,27 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use futures_util::StreamExt;
-use lapin::{BasicProperties, Connection, Event};
+use lapin::message::Delivery;
+use lapin::{Connection, Event};
 use tokio::task::JoinHandle;
 
+pub use crate::broker::Outgoing;
 use crate::broker::{self, BrokerError, Endpoint, Publisher};
 use crate::health::Health;
+use crate::message::parked_properties;
 use crate::tier::Tier;
 use crate::tier_check::TierCheck;
 
-/// One message to publish: exchange, routing key, body, properties.
-pub type Outgoing = (String, String, Vec<u8>, BasicProperties);
+/// The copy of `delivery` that parks it on `parked_exchange` with `reason` (every
+/// component parks this way).
+pub fn parked_copy(parked_exchange: String, delivery: &Delivery, reason: &str) -> Outgoing {
+    Outgoing::new(
+        parked_exchange,
+        String::new(),
+        delivery.data.clone(),
+        parked_properties(&delivery.properties, reason),
+    )
+}
 
 /// Follows a connection's blocked/unblocked notices: logs them, shows them on
 /// `/health` and remembers the broker's reason. Stops when dropped, and then clears
@@ -158,19 +169,7 @@ impl PublishingConnection {
     }
 
     /// Publishes one message (see [`Self::publish_all`]).
-    pub async fn publish(
-        &mut self,
-        exchange: &str,
-        routing_key: &str,
-        body: &[u8],
-        properties: BasicProperties,
-    ) -> Result<(), BrokerError> {
-        let message = (
-            exchange.into(),
-            routing_key.into(),
-            body.to_vec(),
-            properties,
-        );
+    pub async fn publish(&mut self, message: Outgoing) -> Result<(), BrokerError> {
         self.publish_all(vec![message])
             .await
             .pop()

@@ -106,10 +106,10 @@ events AS (
     SELECT id, 'release_repaired', jsonb_build_object('by', 'reconciler', 'repair', release_repairs)
       FROM lost
 )
-SELECT count(*) FROM lost";
+SELECT count(*) AS repaired FROM lost";
 
 const EXHAUSTED_SQL: &str = "
-SELECT count(*) FROM orders
+SELECT count(*) AS exhausted FROM orders
  WHERE id = ANY($1) AND released_at IS NULL AND release_repairs >= $2";
 
 /// One reconciler pass from the start of the index (at most [`PAGES_PER_PASS`] pages).
@@ -126,6 +126,7 @@ pub async fn run_once(
 /// where the next pass continues (back at the start once the index is walked). `busy`
 /// (when given) hears of progress after every page; `token` ends the pass between
 /// pages and cuts the pause short.
+// Over 60 lines on purpose: one keyset-paged pass (page, stamp, re-emit, count); the cursor and the counters span the loop.
 pub async fn run_pass(
     client: &mut deadpool_postgres::Client,
     config: &SweeperConfig,
@@ -164,14 +165,14 @@ pub async fn run_pass(
             *cursor = Cursor::default();
             break;
         };
-        cursor.after = Some((column(last, 1)?, column(last, 0)?));
+        cursor.after = Some((column(last, "closed_at")?, column(last, "id")?));
         let mut ids = Vec::with_capacity(rows.len());
         for row in &rows {
-            let id: i64 = column(row, 0)?;
-            if column::<bool>(row, 2)? {
+            let id: i64 = column(row, "id")?;
+            if column::<bool>(row, "readable")? {
                 ids.push(id);
             } else {
-                let raw: String = column(row, 3).unwrap_or_else(|_| "?".into());
+                let raw: String = column(row, "raw").unwrap_or_else(|_| "?".into());
                 unreadable.push(format!("order {id} ({raw})"));
             }
         }
@@ -180,11 +181,11 @@ pub async fn run_pass(
         let repaired: i64 = column(
             &tx.query_one(REEMIT_SQL, &[&ids, &MAX_REPAIRS, &grace_ms])
                 .await?,
-            0,
+            "repaired",
         )?;
         let exhausted: i64 = column(
             &tx.query_one(EXHAUSTED_SQL, &[&ids, &MAX_REPAIRS]).await?,
-            0,
+            "exhausted",
         )?;
         tx.commit().await?;
         report.scanned += rows.len();
@@ -247,11 +248,11 @@ fn millis(d: std::time::Duration) -> i64 {
 pub async fn repairs<C: GenericClient>(db: &C, window_minutes: i64) -> Result<(i64, i64), DbError> {
     let row = db
         .query_one(
-            "SELECT count(*) FILTER (WHERE release_repaired_at > now() - $1::bigint * interval '1 minute'),
-                    coalesce(sum(release_repairs), 0)::bigint
+            "SELECT count(*) FILTER (WHERE release_repaired_at > now() - $1::bigint * interval '1 minute') AS recent,
+                    coalesce(sum(release_repairs), 0)::bigint AS total
                FROM orders WHERE release_repaired_at IS NOT NULL",
             &[&window_minutes],
         )
         .await?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
+    Ok((column(&row, "recent")?, column(&row, "total")?))
 }

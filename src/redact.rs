@@ -3,11 +3,35 @@
 //! any URL (`scheme://user:password@host`) and of any `password=...` connection
 //! parameter, whatever key or library produced the text.
 //!
-//! This is the last line of defence; the first is [`crate::config::Secret`], whose
-//! `Debug` never shows its value. A leaf module: it imports nothing from lapse.
+//! This is the last line of defence; the first is [`Secret`], whose `Debug` never
+//! shows its value. A leaf module: it imports nothing from lapse, so that every layer
+//! (configuration, broker, management client) can hold a secret.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::io::{self, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// A string that is never printed: URLs with credentials.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
 
 /// What a masked password reads as.
 pub const MASK: &str = "***";

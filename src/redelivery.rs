@@ -24,12 +24,10 @@
 
 use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::broker::BrokerError;
-use crate::message::parked_properties;
-use crate::publishing::PublishingConnection;
+use crate::publishing::{Outgoing, PublishingConnection, parked_copy};
 
 /// The header in which lapse counts how often it gave a message back.
 pub const RETURNS_HEADER: &str = "x-lapse-returns";
@@ -125,22 +123,15 @@ pub async fn give_back(
     match &verdict {
         GiveBack::Requeue { returns } => {
             let properties = requeued_properties(&delivery.properties, *returns);
-            publishing
-                .publish("", queue, &delivery.data, properties)
-                .await?;
+            let copy = Outgoing::new("", queue, delivery.data.clone(), properties);
+            publishing.publish(copy).await?;
         }
         GiveBack::Park { reason } => {
-            let properties = parked_properties(&delivery.properties, reason);
-            publishing
-                .publish(parked_exchange, "", &delivery.data, properties)
-                .await?;
+            let copy = parked_copy(parked_exchange.into(), delivery, reason);
+            publishing.publish(copy).await?;
         }
     }
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map_err(BrokerError::amqp("basic.ack"))?;
+    crate::batch::ack(delivery).await?;
     Ok(verdict)
 }
 

@@ -27,6 +27,7 @@ use deadpool_postgres::Pool;
 use futures_util::StreamExt;
 use lapin::Connection;
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -40,7 +41,7 @@ use crate::supervisor::Fatal;
 use crate::tier::{Tier, TierSet};
 use crate::tier_check::TierCheck;
 use crate::topology::Names;
-use outgoing::Outgoing;
+use outgoing::RowPublish;
 
 /// The channel the outbox trigger notifies.
 pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
@@ -98,7 +99,7 @@ impl Relay {
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
             names: config.names(),
             tiers,
-            tolerance: config.worker.tier_tolerance,
+            tolerance: config.relay.tier_tolerance,
             batch_size: config.relay.batch_size,
             stats,
         }
@@ -108,6 +109,7 @@ impl Relay {
     /// exist (asked on `conn`, the publisher's connection), publish the rest with
     /// confirms, delete what was confirmed and routed, reschedule what was refused or
     /// returned or had no tier queue.
+    // Over 60 lines on purpose: one round is one transaction (read, check tiers, publish, delete, reschedule, record hops, commit); pieces would pass the transaction and its collections around.
     pub async fn run_once(
         &self,
         conn: &Connection,
@@ -117,7 +119,7 @@ impl Relay {
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT id, kind, order_id, payload, now(), created_at, attempts FROM outbox
+                "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
                   WHERE not_before <= now()
                   ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
                 &[&self.batch_size],
@@ -126,7 +128,7 @@ impl Relay {
         if rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }
-        let outgoing: Vec<Outgoing> = rows
+        let outgoing: Vec<RowPublish> = rows
             .iter()
             .map(|r| self.decode(r))
             .collect::<Result<_, DbError>>()?;
@@ -137,37 +139,25 @@ impl Relay {
             self.tier_check.missing(conn, tiers).await?
         };
         let mut later = Later::default();
-        let (no_queue, ready): (Vec<&Outgoing>, Vec<&Outgoing>) = outgoing
+        let (no_queue, ready): (Vec<&RowPublish>, Vec<&RowPublish>) = outgoing
             .iter()
             .partition(|o| o.tier.is_some_and(|t| missing.contains(&t)));
         for o in no_queue {
             let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
             later.add(o, &BrokerError::MissingTier { queue });
         }
-        let messages = ready
-            .iter()
-            .map(|o| {
-                (
-                    o.exchange.clone(),
-                    o.routing_key.clone(),
-                    o.body.clone(),
-                    o.properties.clone(),
-                )
-            })
-            .collect();
+        let messages = ready.iter().map(|o| o.message.clone()).collect();
         let results = publisher.publish_all(messages).await;
         let mut sent_ids = Vec::new();
-        let mut hop_orders = Vec::new();
-        let mut hop_details = Vec::new();
+        let mut hops = Vec::new();
         let mut broken = None;
         for (o, result) in ready.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     sent_ids.push(o.outbox_id);
-                    if let Some(detail) = &o.hop {
-                        hop_orders.push(o.order_id);
-                        hop_details.push(detail.clone());
-                        self.stats.hop(detail["tier"].as_str());
+                    if let Some(hop) = &o.hop {
+                        self.stats.hop(Some(hop.tier.as_str()));
+                        hops.push(hop.clone());
                     }
                 }
                 Err(e @ (BrokerError::Nacked { .. } | BrokerError::Unroutable { .. })) => {
@@ -187,12 +177,7 @@ impl Relay {
             &[&later.ids, &later.delay_ms, &later.errors],
         )
         .await?;
-        tx.execute(
-            "INSERT INTO order_events (order_id, event, detail)
-             SELECT * FROM unnest($1::bigint[], array_fill('hop'::text, ARRAY[cardinality($1)]), $2::jsonb[])",
-            &[&hop_orders, &hop_details],
-        )
-        .await?;
+        crate::timeline::record_hops(&*tx, &hops).await?;
         tx.commit().await?;
         let stats = self.stats.by("relay");
         stats.record(Outcome::Relayed, sent_ids.len() as u64);
@@ -226,17 +211,17 @@ impl Relay {
         token: CancellationToken,
     ) -> Result<(), Fatal> {
         let wake = Arc::new(Notify::new());
-        // Stops with `token`: the supervisor cancels it when this instance ends.
-        let listener = tokio::spawn(listen(db_url, wake.clone(), token.clone()));
-        let backlog = tokio::spawn(backlog::run(self.pool.clone(), token.clone()));
+        // The LISTEN connection and the backlog gauge belong to this instance: they
+        // stop with `token`, and dropping the set (the supervisor abandoning this
+        // instance at the drain limit) aborts them.
+        let mut helpers = JoinSet::new();
+        helpers.spawn(listen(db_url, wake.clone(), token.clone()));
+        helpers.spawn(backlog::run(self.pool.clone(), token.clone()));
         let result = crate::backoff::reconnecting("relay", &health, &token, || {
             self.session(&broker, &wake, poll, &health, &token)
         })
         .await;
-        listener.abort();
-        let _ = listener.await;
-        backlog.abort();
-        let _ = backlog.await;
+        helpers.shutdown().await;
         result
     }
 
@@ -312,7 +297,7 @@ struct Later {
 }
 
 impl Later {
-    fn add(&mut self, o: &Outgoing, error: &BrokerError) {
+    fn add(&mut self, o: &RowPublish, error: &BrokerError) {
         let delay = retry::retry_delay(o.attempts, o.reroute_after);
         self.ids.push(o.outbox_id);
         self.delay_ms

@@ -23,6 +23,7 @@ use crate::releaser::Releaser;
 use crate::stats::Stats;
 use crate::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
 use crate::sweeper::Sweeper;
+use crate::tier::TierSet;
 use crate::worker::Consumer;
 
 #[derive(Debug, thiserror::Error)]
@@ -73,96 +74,17 @@ impl Service {
         // back a frozen worker's deliveries.
         let broker = Endpoint {
             url: config.broker.url_with_heartbeat(),
-            ..Endpoint::from_config(&config.broker)?
+            ..config.broker.endpoint()?
         };
         let w = &config.worker;
-        let pool = || db::pool(&config.database, config.database.pool_size);
         let health = Health::new(w.stall_limit);
         let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());
-        let limiter = RateLimiter::new(w.closes_per_second);
-        if w.consumer {
-            let consumer = Consumer::new(
-                config,
-                pool()?,
-                tiers.clone(),
-                stats.clone(),
-                limiter.clone(),
-            );
-            let (url, h) = (broker.clone(), health.clone());
-            supervisor.add(
-                "consumer",
-                Box::new(move |t| boxed(consumer.clone().run(url.clone(), h.clone(), t))),
-            );
-        }
-        if w.relay {
-            let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
-            let (url, db_url, poll, h) = (
-                broker.clone(),
-                config.database.url.clone(),
-                config.relay.poll_interval,
-                health.clone(),
-            );
-            supervisor.add(
-                "relay",
-                Box::new(move |t| {
-                    boxed(
-                        relay
-                            .clone()
-                            .run(url.clone(), db_url.clone(), poll, h.clone(), t),
-                    )
-                }),
-            );
-        }
-        if w.releaser {
-            let releaser = Releaser {
-                pool: pool()?,
-                names: config.names(),
-                stats: stats.clone(),
-                prefetch: w.prefetch,
-                batch_size: w.batch_size.min(usize::from(w.prefetch)),
-                batch_window: w.batch_window,
-            };
-            let (url, h) = (broker.clone(), health.clone());
-            supervisor.add(
-                "releaser",
-                Box::new(move |t| boxed(releaser.clone().run(url.clone(), h.clone(), t))),
-            );
-        }
-        if w.sweeper {
-            let sweeper = Sweeper {
-                pool: pool()?,
-                stats: stats.clone(),
-                config: config.sweeper.clone(),
-                limiter,
-                lock_timeout: config.database.lock_timeout,
-            };
-            let h = health.clone();
-            supervisor.add(
-                "sweeper",
-                Box::new(move |t| {
-                    let (sweeper, h) = (sweeper.clone(), h.clone());
-                    Box::pin(async move {
-                        sweeper.run(h, t).await;
-                        Ok(())
-                    })
-                }),
-            );
-        }
-        if w.consumer || w.relay || w.releaser {
-            let (url, names, h) = (broker.clone(), config.names(), health.clone());
-            supervisor.add(
-                crate::queue_gauges::COMPONENT,
-                Box::new(move |t| {
-                    boxed(crate::queue_gauges::run(
-                        url.clone(),
-                        names.clone(),
-                        tiers.clone(),
-                        h.clone(),
-                        t,
-                    ))
-                }),
-            );
-        }
+        let mut start = Starter {
+            supervisor: &mut supervisor,
+            broker,
+            health: health.clone(),
+        };
+        start.components(config, tiers, stats)?;
         Ok(Self {
             supervisor,
             health,
@@ -187,6 +109,95 @@ impl Service {
         let stop = self.supervisor.run().await;
         let abandoned = self.supervisor.drain(self.drain).await;
         Stopped { stop, abandoned }
+    }
+}
+
+/// Adds components to the supervisor: each one a factory that starts a fresh instance
+/// (with the broker endpoint and the health registry) for every (re)start.
+struct Starter<'a> {
+    supervisor: &'a mut Supervisor,
+    broker: Endpoint,
+    health: Health,
+}
+
+impl Starter<'_> {
+    /// Supervises `run` under `name`; each start gets clones of the endpoint and the
+    /// health registry and its own token.
+    fn add<F, Fut>(&mut self, name: &'static str, run: F)
+    where
+        F: Fn(Endpoint, Health, CancellationToken) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), crate::supervisor::Fatal>> + Send + 'static,
+    {
+        let (broker, health) = (self.broker.clone(), self.health.clone());
+        self.supervisor.add(
+            name,
+            Box::new(move |t| boxed(run(broker.clone(), health.clone(), t))),
+        );
+    }
+
+    /// The components `config` enables, each with its own connection pool.
+    // Over 60 lines on purpose: one short block per component.
+    fn components(
+        &mut self,
+        config: &Config,
+        tiers: TierSet,
+        stats: Stats,
+    ) -> Result<(), ServiceError> {
+        let w = &config.worker;
+        let pool = || db::pool(&config.database, config.database.pool_size);
+        // Shared by the consumer and the sweeper: both together stay under the limit.
+        let limiter = RateLimiter::new(w.closes_per_second);
+        if w.consumer {
+            let consumer = Consumer::new(
+                config,
+                pool()?,
+                tiers.clone(),
+                stats.clone(),
+                limiter.clone(),
+            );
+            self.add("consumer", move |b, h, t| consumer.clone().run(b, h, t));
+        }
+        if w.relay {
+            let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
+            let (db_url, poll) = (config.database.url.clone(), config.relay.poll_interval);
+            self.add("relay", move |b, h, t| {
+                relay.clone().run(b, db_url.clone(), poll, h, t)
+            });
+        }
+        if w.releaser {
+            let releaser = Releaser {
+                pool: pool()?,
+                names: config.names(),
+                stats: stats.clone(),
+                prefetch: w.prefetch,
+                batch_size: w.batch_size.min(usize::from(w.prefetch)),
+                batch_window: w.batch_window,
+            };
+            self.add("releaser", move |b, h, t| releaser.clone().run(b, h, t));
+        }
+        if w.sweeper {
+            let sweeper = Sweeper {
+                pool: pool()?,
+                stats,
+                config: config.sweeper.clone(),
+                limiter,
+                lock_timeout: config.database.lock_timeout,
+            };
+            self.add("sweeper", move |_, h, t| {
+                let sweeper = sweeper.clone();
+                async move {
+                    sweeper.run(h, t).await;
+                    Ok(())
+                }
+            });
+        }
+        if w.consumer || w.relay || w.releaser {
+            let names = config.names();
+            self.add(crate::queue_gauges::COMPONENT, move |b, h, t| {
+                crate::queue_gauges::run(b, names.clone(), tiers.clone(), h, t)
+            });
+        }
+        Ok(())
     }
 }
 

@@ -130,7 +130,7 @@ impl TierSet {
         self.0.binary_search(&tier).is_ok()
     }
 
-    /// SPEC "Choosing a tier": the largest tier `t` with `t <= remaining + tolerance`.
+    /// The tier rule (docs/pipeline.md): the largest tier `t` with `t <= remaining + tolerance`.
     ///
     /// The tolerance lets a deadline equal to a tier take one hop although the relay
     /// publishes a few milliseconds after the order was written. It can only make a

@@ -1,5 +1,6 @@
-//! The AMQP side: connecting, converting topology arguments to field tables,
-//! reading the broker's error replies, and publishing with confirms.
+//! The AMQP side: connecting, reading the broker's error replies, and publishing with
+//! confirms. It knows nothing of lapse's configuration or topology: callers hand it
+//! plain values (a URL, TLS material, a timeout, field tables).
 //!
 //! Invariant: a publish counts only once the broker confirmed it (`ack`) AND routed
 //! it to a queue; a nack, a `reject-publish` overflow, a lost channel or a confirm
@@ -13,16 +14,14 @@
 use std::time::Duration;
 
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKind};
 
 mod publisher;
 
-pub use publisher::Publisher;
+pub use publisher::{Outgoing, Publisher};
 
-use crate::config::{BrokerConfig, Secret};
-use crate::tls::{self, TlsError, TlsFiles};
-use crate::topology::{ArgValue, Arguments};
+use crate::redact::Secret;
+use crate::tls::{self, TlsFiles};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
@@ -114,20 +113,6 @@ impl Endpoint {
         }
     }
 
-    /// The `[broker]` section: URL, `tls.*` files (read now) and `confirm_timeout`.
-    pub fn from_config(broker: &BrokerConfig) -> Result<Self, TlsError> {
-        let t = &broker.tls;
-        Ok(Self {
-            url: broker.url.clone(),
-            tls: TlsFiles::load(
-                t.ca_file.as_deref(),
-                t.cert_file.as_deref(),
-                t.key_file.as_deref(),
-            )?,
-            confirm_timeout: broker.confirm_timeout,
-        })
-    }
-
     /// Opens a connection named `name` (shown in the management UI).
     pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
@@ -164,39 +149,6 @@ fn connect_error(err: lapin::Error) -> BrokerError {
 /// Opens a connection named `name` to `url` (system roots for `amqps://`).
 pub async fn connect(url: &Secret, name: &str) -> Result<Connection, BrokerError> {
     Endpoint::new(url.clone()).connect(name).await
-}
-
-/// Like [`connect`], retrying with back-off until `give_up` has passed.
-pub async fn connect_with_retry(
-    url: &Secret,
-    name: &str,
-    give_up: Duration,
-) -> Result<Connection, BrokerError> {
-    let started = std::time::Instant::now();
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match connect(url, name).await {
-            Ok(conn) => return Ok(conn),
-            Err(e) if started.elapsed() < give_up => {
-                tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "broker connection failed");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-pub fn field_table(args: &Arguments) -> FieldTable {
-    let mut table = FieldTable::default();
-    for (key, value) in args {
-        let value = match value {
-            ArgValue::Int(n) => AMQPValue::LongLongInt(*n),
-            ArgValue::Str(s) => AMQPValue::LongString(LongString::from(s.as_str())),
-        };
-        table.insert(ShortString::from(key.as_str()), value);
-    }
-    table
 }
 
 fn soft_error(err: &lapin::Error) -> Option<(AMQPSoftError, String)> {

@@ -28,6 +28,32 @@ async fn by_deadline<T>(
     }
 }
 
+/// One message to publish: where to, its body and its properties. Every publish lapse
+/// makes (relay, consumer, releaser, parked replays) is one of these.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+}
+
+impl Outgoing {
+    pub fn new(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        body: impl Into<Vec<u8>>,
+        properties: BasicProperties,
+    ) -> Self {
+        Self {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            body: body.into(),
+            properties,
+        }
+    }
+}
+
 /// A channel in confirm mode.
 #[derive(Clone)]
 pub struct Publisher {
@@ -96,13 +122,16 @@ impl Publisher {
 
     /// Publishes many messages (mandatory), pipelining their confirms; the result of
     /// each in order. All of them share one confirm timeout, counted from the call.
-    pub async fn publish_all(
-        &self,
-        messages: Vec<(String, String, Vec<u8>, BasicProperties)>,
-    ) -> Vec<Result<(), BrokerError>> {
+    pub async fn publish_all(&self, messages: Vec<Outgoing>) -> Vec<Result<(), BrokerError>> {
         let (after, deadline) = (self.confirm_timeout, Instant::now() + self.confirm_timeout);
         let mut pending = Vec::with_capacity(messages.len());
-        for (exchange, routing_key, body, properties) in messages {
+        for message in messages {
+            let Outgoing {
+                exchange,
+                routing_key,
+                body,
+                properties,
+            } = message;
             if Instant::now() >= deadline {
                 // Out of time: do not hand more frames to a connection that is stuck.
                 pending.push((

@@ -127,121 +127,148 @@ pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitS
             lines,
             count,
             json,
-        } => {
-            let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
-            orders::ensure_stock(&**client, &skus, config.orders.initial_stock).await?;
-            let mut ids = Vec::with_capacity(count as usize);
-            let progress = progress_bar(u64::from(count));
-            while (ids.len() as u32) < count {
-                let chunk = CREATE_CHUNK.min(count - ids.len() as u32);
-                let tx = client.transaction().await?;
-                for _ in 0..chunk {
-                    match orders::create(&*tx, Deadline::In(expires_in), &lines).await {
-                        Ok(id) => ids.push(id),
-                        Err(e @ db::DbError::Refused(_)) => {
-                            eprintln!("{e}; no order of this transaction was created");
-                            return Ok(ExitStatus::Failed);
-                        }
-                        Err(db::DbError::InvalidDeadline(e)) => {
-                            eprintln!("--expires-in: {e}; no order was created");
-                            return Ok(ExitStatus::Usage);
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+        } => create(config, &mut client, expires_in, &lines, count, json).await,
+        OrderCommand::Pay { id, json } => pay(&client, id, json).await,
+        OrderCommand::Extend { id, by, json } => extend(&client, id, by, json).await,
+        OrderCommand::Show { id, json } => show(&client, id, json).await,
+    }
+}
+
+/// `order create`: `count` orders in transactions of [`CREATE_CHUNK`].
+async fn create(
+    config: &Config,
+    client: &mut deadpool_postgres::Client,
+    expires_in: Duration,
+    lines: &[Line],
+    count: u32,
+    json: bool,
+) -> anyhow::Result<ExitStatus> {
+    let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
+    orders::ensure_stock(&***client, &skus, config.orders.initial_stock).await?;
+    let mut ids = Vec::with_capacity(count as usize);
+    let progress = progress_bar(u64::from(count));
+    while (ids.len() as u32) < count {
+        let chunk = CREATE_CHUNK.min(count - ids.len() as u32);
+        let tx = client.transaction().await?;
+        for _ in 0..chunk {
+            match orders::create(&*tx, Deadline::In(expires_in), lines).await {
+                Ok(id) => ids.push(id),
+                Err(e @ db::DbError::Refused(_)) => {
+                    eprintln!("{e}; no order of this transaction was created");
+                    return Ok(ExitStatus::Failed);
                 }
-                tx.commit().await?;
-                progress.inc(u64::from(chunk));
+                Err(db::DbError::InvalidDeadline(e)) => {
+                    eprintln!("--expires-in: {e}; no order was created");
+                    return Ok(ExitStatus::Usage);
+                }
+                Err(e) => return Err(e.into()),
             }
-            progress.finish_and_clear();
+        }
+        tx.commit().await?;
+        progress.inc(u64::from(chunk));
+    }
+    progress.finish_and_clear();
+    if json {
+        print_json(&ids)?;
+    } else {
+        for id in ids {
+            println!("{id}");
+        }
+    }
+    Ok(ExitStatus::Ok)
+}
+
+async fn pay(
+    client: &deadpool_postgres::Client,
+    id: i64,
+    json: bool,
+) -> anyhow::Result<ExitStatus> {
+    let outcome = orders::pay(&***client, OrderId(id)).await?;
+    let (status, text) = match outcome {
+        PayOutcome::Paid => (ExitStatus::Ok, "paid"),
+        PayOutcome::AlreadyPaid => (ExitStatus::Ok, "already paid"),
+        PayOutcome::Expired => (
+            ExitStatus::Failed,
+            "refused: the payment deadline has passed",
+        ),
+        PayOutcome::Late => (
+            ExitStatus::Failed,
+            "refused: the order is closed; recorded as a late payment to refund",
+        ),
+        PayOutcome::NotFound => (ExitStatus::Failed, "refused: no such order"),
+    };
+    if json {
+        print_json(&serde_json::json!({ "id": id, "outcome": outcome, "message": text }))?;
+    } else {
+        println!("order {id}: {text}");
+    }
+    Ok(status)
+}
+
+async fn extend(
+    client: &deadpool_postgres::Client,
+    id: i64,
+    by: Duration,
+    json: bool,
+) -> anyhow::Result<ExitStatus> {
+    let refused = |reason: String| -> anyhow::Result<ExitStatus> {
+        if json {
+            print_json(&serde_json::json!({ "id": id, "extended": false, "refused": reason }))?;
+        } else {
+            println!("order {id}: refused: {reason}");
+        }
+        Ok(ExitStatus::Failed)
+    };
+    match orders::extend_by(&***client, OrderId(id), by).await {
+        Ok(Some(version)) => {
             if json {
-                print_json(&ids)?;
+                print_json(&serde_json::json!({
+                    "id": id,
+                    "extended": true,
+                    "by": humantime::format_duration(by).to_string(),
+                    "deadline_version": version,
+                }))?;
             } else {
-                for id in ids {
-                    println!("{id}");
-                }
+                println!(
+                    "order {id}: deadline extended by {}, now version {version}",
+                    humantime::format_duration(by)
+                );
             }
             Ok(ExitStatus::Ok)
         }
-        OrderCommand::Pay { id, json } => {
-            let outcome = orders::pay(&**client, OrderId(id)).await?;
-            let (status, text) = match outcome {
-                PayOutcome::Paid => (ExitStatus::Ok, "paid"),
-                PayOutcome::AlreadyPaid => (ExitStatus::Ok, "already paid"),
-                PayOutcome::Expired => (
-                    ExitStatus::Failed,
-                    "refused: the payment deadline has passed",
-                ),
-                PayOutcome::Late => (
-                    ExitStatus::Failed,
-                    "refused: the order is closed; recorded as a late payment to refund",
-                ),
-                PayOutcome::NotFound => (ExitStatus::Failed, "refused: no such order"),
-            };
-            if json {
-                print_json(&serde_json::json!({ "id": id, "outcome": outcome, "message": text }))?;
-            } else {
-                println!("order {id}: {text}");
-            }
-            Ok(status)
+        Ok(None) => refused("not found, not UNPAID, or the deadline has passed".to_string()),
+        Err(db::DbError::Refused(e)) => refused(e),
+        Err(db::DbError::InvalidDeadline(e)) => {
+            eprintln!("--by: {e}; the deadline was not changed");
+            Ok(ExitStatus::Usage)
         }
-        OrderCommand::Extend { id, by, json } => {
-            let refused = |reason: String| -> anyhow::Result<ExitStatus> {
-                if json {
-                    print_json(
-                        &serde_json::json!({ "id": id, "extended": false, "refused": reason }),
-                    )?;
-                } else {
-                    println!("order {id}: refused: {reason}");
-                }
-                Ok(ExitStatus::Failed)
-            };
-            match orders::extend_by(&**client, OrderId(id), by).await {
-                Ok(Some(version)) => {
-                    if json {
-                        print_json(&serde_json::json!({
-                            "id": id,
-                            "extended": true,
-                            "by": humantime::format_duration(by).to_string(),
-                            "deadline_version": version,
-                        }))?;
-                    } else {
-                        println!(
-                            "order {id}: deadline extended by {}, now version {version}",
-                            humantime::format_duration(by)
-                        );
-                    }
-                    Ok(ExitStatus::Ok)
-                }
-                Ok(None) => {
-                    refused("not found, not UNPAID, or the deadline has passed".to_string())
-                }
-                Err(db::DbError::Refused(e)) => refused(e),
-                Err(db::DbError::InvalidDeadline(e)) => {
-                    eprintln!("--by: {e}; the deadline was not changed");
-                    Ok(ExitStatus::Usage)
-                }
-                Err(e) => Err(e.into()),
-            }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn show(
+    client: &deadpool_postgres::Client,
+    id: i64,
+    json: bool,
+) -> anyhow::Result<ExitStatus> {
+    match orders::show(&***client, OrderId(id)).await {
+        Err(e @ db::DbError::Unreadable(_)) => {
+            eprintln!("error: {e}");
+            Ok(ExitStatus::Failed)
         }
-        OrderCommand::Show { id, json } => match orders::show(&**client, OrderId(id)).await {
-            Err(e @ db::DbError::Unreadable(_)) => {
-                eprintln!("error: {e}");
-                Ok(ExitStatus::Failed)
-            }
-            Err(e) => Err(e.into()),
-            Ok(None) => {
-                eprintln!("no such order: {id}");
-                Ok(ExitStatus::Failed)
-            }
-            Ok(Some(view)) if json => {
-                print_json(&view)?;
-                Ok(ExitStatus::Ok)
-            }
-            Ok(Some(view)) => {
-                print_order(&view);
-                Ok(ExitStatus::Ok)
-            }
-        },
+        Err(e) => Err(e.into()),
+        Ok(None) => {
+            eprintln!("no such order: {id}");
+            Ok(ExitStatus::Failed)
+        }
+        Ok(Some(view)) if json => {
+            print_json(&view)?;
+            Ok(ExitStatus::Ok)
+        }
+        Ok(Some(view)) => {
+            print_order(&view);
+            Ok(ExitStatus::Ok)
+        }
     }
 }
 

@@ -7,7 +7,6 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use super::{ExitStatus, print_json};
-use crate::broker::Endpoint;
 use crate::config::Config;
 use crate::parked::{Entry, Item, Outcome, ParkedError, Pass, Plan, Router, headers_json, rfc3339};
 
@@ -123,7 +122,7 @@ impl Select {
 }
 
 pub async fn run(config: &Config, command: ParkedCommand) -> anyhow::Result<ExitStatus> {
-    let endpoint = Endpoint::from_config(&config.broker)?;
+    let endpoint = config.broker.endpoint()?;
     let router = match &command {
         ParkedCommand::Replay { .. } => Some(Router::new(
             config.names(),

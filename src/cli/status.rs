@@ -238,7 +238,7 @@ pub async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<ExitStatus
     let mut sources = Sources {
         config,
         topology: Topology::new(&config.names(), &config.tier_file()?),
-        endpoint: Endpoint::from_config(&config.broker)?,
+        endpoint: config.broker.endpoint()?,
         pool: crate::db::pool(&config.database, 1)?,
         conn: None,
     };

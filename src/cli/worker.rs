@@ -59,6 +59,7 @@ pub struct WorkerArgs {
     metrics_listen: Option<SocketAddr>,
 }
 
+// Over 60 lines on purpose: the start-up sequence in order (bind, migrate or check, start, serve, wait, report); each step is one call and the order is the point.
 pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitStatus> {
     let w = &mut config.worker;
     w.consumer &= !args.no_consumer;
@@ -185,10 +186,13 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
         Err(e) => return Err(e.into()),
     };
     let driver = tokio::spawn(connection);
-    let schema: bool = client
-        .query_one("SELECT to_regclass('lapse_settings') IS NOT NULL", &[])
-        .await?
-        .get(0);
+    let row = client
+        .query_one(
+            "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
+            &[],
+        )
+        .await?;
+    let schema: bool = row.try_get("has_schema")?;
     drop(client);
     let _ = driver.await;
     if !schema {

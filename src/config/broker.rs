@@ -9,7 +9,25 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use super::{BrokerConfig, ConfigError};
-use crate::tls::TlsFiles;
+use crate::broker::Endpoint;
+use crate::tls::{TlsError, TlsFiles};
+
+impl BrokerConfig {
+    /// The broker as the `[broker]` section describes it: URL, `tls.*` files (read
+    /// now) and `confirm_timeout`.
+    pub fn endpoint(&self) -> Result<Endpoint, TlsError> {
+        let t = &self.tls;
+        Ok(Endpoint {
+            url: self.url.clone(),
+            tls: TlsFiles::load(
+                t.ca_file.as_deref(),
+                t.cert_file.as_deref(),
+                t.key_file.as_deref(),
+            )?,
+            confirm_timeout: self.confirm_timeout,
+        })
+    }
+}
 
 /// Query parameters of an AMQP URL that lapin reads; anything else would be ignored.
 const AMQP_QUERY_KEYS: [&str; 5] = [

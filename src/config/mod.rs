@@ -6,7 +6,6 @@
 //! Invariants: every error names the key it is about; credentials (the broker and
 //! database URLs) never appear in `Debug` output or in error messages.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -37,25 +36,8 @@ impl ConfigError {
     }
 }
 
-/// A string that is never printed: URLs with credentials.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
+pub use crate::redact::Secret;
+pub use moved::{MOVED_KEYS, moved_keys};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -149,11 +131,14 @@ pub struct WorkerConfig {
     /// How long to wait for a batch to fill once its first delivery arrived.
     #[serde(with = "humantime_serde")]
     pub batch_window: Duration,
-    /// Upper bound on the slack the relay allows when choosing a first tier, so that a
-    /// deadline equal to a tier takes one hop although the relay publishes a little
-    /// after the order was written (the slack used is the relay's actual lag).
-    #[serde(with = "humantime_serde")]
-    pub tier_tolerance: Duration,
+    /// Deprecated: the relay's key [`RelayConfig::tier_tolerance`]. Still read (with a
+    /// warning) when `relay.tier_tolerance` is not set; never used otherwise.
+    #[serde(
+        default,
+        with = "humantime_serde::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tier_tolerance: Option<Duration>,
     /// Retries after database errors before a timeout is parked.
     pub max_attempts: u32,
     /// First retry delay after a database error; doubles per attempt.
@@ -177,6 +162,11 @@ pub struct WorkerConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RelayConfig {
+    /// Upper bound on the slack the relay allows when choosing a first tier, so that a
+    /// deadline equal to a tier takes one hop although the relay publishes a little
+    /// after the order was written (the slack used is the relay's actual lag).
+    #[serde(with = "humantime_serde")]
+    pub tier_tolerance: Duration,
     /// Outbox rows published per round.
     pub batch_size: i64,
     /// Polling fallback when no notification arrives.
@@ -250,7 +240,7 @@ impl Default for Config {
                 prefetch: 1000,
                 batch_size: 100,
                 batch_window: Duration::from_millis(2),
-                tier_tolerance: Duration::from_millis(50),
+                tier_tolerance: None,
                 max_attempts: 8,
                 retry_backoff: Duration::from_millis(500),
                 drain_timeout: Duration::from_secs(10),
@@ -259,6 +249,7 @@ impl Default for Config {
                 stall_limit: Duration::from_secs(60),
             },
             relay: RelayConfig {
+                tier_tolerance: Duration::from_millis(50),
                 batch_size: 500,
                 poll_interval: Duration::from_millis(500),
             },
@@ -288,9 +279,12 @@ impl Config {
                 format!("no such file: {}", file.display()),
             ));
         }
-        let figment = Figment::from(Serialized::defaults(Config::default()))
-            .merge(Toml::file(file))
-            .merge(env());
+        let user = Figment::new().merge(Toml::file(file)).merge(env());
+        let (user, warnings) = moved_keys(user);
+        for warning in &warnings {
+            tracing::warn!("{warning}");
+        }
+        let figment = Figment::from(Serialized::defaults(Config::default())).merge(user);
         Self::from_figment(figment)
     }
 
@@ -448,6 +442,7 @@ fn without_source_lines(message: &str) -> String {
         .join(": ")
 }
 
+mod moved;
 mod timing;
 
 mod broker;

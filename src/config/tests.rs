@@ -22,7 +22,8 @@ fn defaults_without_a_file() {
         with_tier_file(jail);
         let config = load().unwrap();
         assert_eq!(config.broker.prefix, "lapse");
-        assert_eq!(config.worker.tier_tolerance, Duration::from_millis(50));
+        assert_eq!(config.relay.tier_tolerance, Duration::from_millis(50));
+        assert_eq!(config.worker.tier_tolerance, None);
         Ok(())
     });
 }
@@ -194,6 +195,60 @@ fn a_drain_timeout_that_would_abandon_every_shutdown_is_refused() {
         }
         jail.create_file("lapse.toml", "[worker]\ndrain_timeout = \"1s\"")?;
         load().unwrap();
+        Ok(())
+    });
+}
+
+/// `worker.tier_tolerance` moved to `relay.tier_tolerance`: the old key still works,
+/// with a warning; the new one wins when both are set.
+#[test]
+fn a_moved_key_still_works_with_a_deprecation_warning() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let user = |jail: &mut Jail, text: &str| -> figment::Result<Figment> {
+            jail.create_file("lapse.toml", text)?;
+            Ok(Figment::new()
+                .merge(Toml::file(DEFAULT_CONFIG_FILE))
+                .merge(env()))
+        };
+
+        let (_, warnings) = moved_keys(user(jail, "[relay]\ntier_tolerance = \"30ms\"")?);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(
+            load().unwrap().relay.tier_tolerance,
+            Duration::from_millis(30)
+        );
+
+        let (_, warnings) = moved_keys(user(jail, "[worker]\ntier_tolerance = \"20ms\"")?);
+        assert_eq!(warnings.len(), 1);
+        assert!(
+            warnings[0]
+                .contains("`worker.tier_tolerance` is deprecated; use `relay.tier_tolerance`"),
+            "{warnings:?}"
+        );
+        assert_eq!(
+            load().unwrap().relay.tier_tolerance,
+            Duration::from_millis(20)
+        );
+
+        jail.set_env("LAPSE_WORKER__TIER_TOLERANCE", "25ms");
+        let (_, warnings) = moved_keys(user(jail, "")?);
+        assert_eq!(warnings.len(), 1, "the environment counts too");
+        assert_eq!(
+            load().unwrap().relay.tier_tolerance,
+            Duration::from_millis(25)
+        );
+
+        let both = "[worker]\ntier_tolerance = \"20ms\"\n[relay]\ntier_tolerance = \"40ms\"";
+        let (_, warnings) = moved_keys(user(jail, both)?);
+        assert!(
+            warnings[0].contains("ignored because `relay.tier_tolerance` is set"),
+            "{warnings:?}"
+        );
+        assert_eq!(
+            load().unwrap().relay.tier_tolerance,
+            Duration::from_millis(40)
+        );
         Ok(())
     });
 }

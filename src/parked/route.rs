@@ -45,7 +45,7 @@ impl Target {
     }
 
     pub fn outgoing(self) -> Outgoing {
-        (self.exchange, self.routing_key, self.body, self.properties)
+        Outgoing::new(self.exchange, self.routing_key, self.body, self.properties)
     }
 }
 

@@ -18,13 +18,15 @@ pub async fn sample(pool: &Pool) -> Result<(i64, f64), crate::db::DbError> {
     let client = pool.get().await?;
     let row = client
         .query_one(
-            "SELECT count(*),
-                    COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8
+            "SELECT count(*) AS waiting,
+                    COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8 AS oldest_s
                FROM outbox",
             &[],
         )
         .await?;
-    Ok((row.try_get(0)?, row.try_get::<_, f64>(1)?.max(0.0)))
+    let waiting = crate::db::column(&row, "waiting")?;
+    let oldest: f64 = crate::db::column(&row, "oldest_s")?;
+    Ok((waiting, oldest.max(0.0)))
 }
 
 /// Samples until `token` is cancelled; a failed sample leaves the last values and is

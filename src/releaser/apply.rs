@@ -33,11 +33,12 @@ restocked AS (
      WHERE s.sku = r.sku
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM restocked)";
+SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked";
 
 impl Releaser {
     /// Applies the releases of these orders, except those whose row another
     /// transaction holds (returned as `held`, nothing done for them).
+    // Over 60 lines on purpose: one transaction whose lock order (order rows, then stock in SKU order) must be visible in one place.
     pub async fn release(&self, order_ids: &[i64]) -> Result<ReleaseOutcome, DbError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
@@ -56,12 +57,12 @@ impl Releaser {
         let mut locked = Vec::with_capacity(rows.len());
         let mut stampable = Vec::with_capacity(rows.len());
         for row in &rows {
-            let id: i64 = column(row, 0)?;
+            let id: i64 = column(row, "id")?;
             locked.push(id);
-            if column::<bool>(row, 1)? {
+            if column::<bool>(row, "readable")? {
                 stampable.push(id);
             } else {
-                let raw: String = column(row, 2).unwrap_or_else(|_| "?".into());
+                let raw: String = column(row, "raw").unwrap_or_else(|_| "?".into());
                 tracing::error!(order_id = id, deadline = %raw,
                     "releaser: released the stock of a closed order whose deadline lapse cannot handle, but cannot stamp its row; repair it (docs/operations.md)");
             }
@@ -75,7 +76,7 @@ impl Releaser {
             )
             .await?
             .iter()
-            .map(|r| column(r, 0))
+            .map(|r| column(r, "id"))
             .collect::<Result<_, _>>()?;
         // Then the stock rows in SKU order, as every writer of stock does.
         tx.execute(
@@ -95,7 +96,7 @@ impl Releaser {
         .await?;
         tx.commit().await?;
         Ok(ReleaseOutcome {
-            applied: column(&row, 0)?,
+            applied: column(&row, "applied")?,
             held,
         })
     }

@@ -31,16 +31,13 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::ConsumerSession;
+use crate::batch::{BatchHandler, ConsumerSession, Consuming, ack, consume};
 use crate::broker::{BrokerError, Endpoint};
 use crate::health::{Busy, Health};
-use crate::message::parked_properties;
-use crate::publishing::PublishingConnection;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
 
@@ -115,44 +112,25 @@ impl Releaser {
         .await
     }
 
+    /// One broker session: the consumer's session loop ([`consume`]) with this
+    /// releaser handling each batch.
     async fn session(
         &self,
         broker: &Endpoint,
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let queue = self.names.stock_release_queue();
-        let mut session = ConsumerSession::open(
-            broker,
-            "releaser",
-            &self.names.prefix,
-            "releaser",
-            health,
-            &queue,
-            self.prefetch,
-        )
-        .await?;
-        let result = loop {
-            match session
-                .source
-                .next(self.batch_size, self.batch_window, token)
-                .await
-            {
-                Ok(Some(batch)) => {
-                    let busy = health.busy("releaser");
-                    if let Err(e) = self
-                        .process(batch, &mut session.publishing, token, &busy)
-                        .await
-                    {
-                        break Err(e);
-                    }
-                }
-                Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
-            }
+        let how = Consuming {
+            endpoint: broker,
+            role: "releaser",
+            prefix: &self.names.prefix,
+            component: "releaser",
+            queue: self.names.stock_release_queue(),
+            prefetch: self.prefetch,
+            batch_size: self.batch_size,
+            batch_window: self.batch_window,
         };
-        session.close().await;
-        result
+        consume(&how, health, token, &mut &*self).await
     }
 
     /// Releases one batch. Undecodable events are parked at once. A transient
@@ -164,10 +142,11 @@ impl Releaser {
     /// alone; each is tried [`PERMANENT_ATTEMPTS`] times, then parked with the reason —
     /// unless every event of the batch failed identically (see [`systemic`]): then
     /// the batch is held and retried up to [`SYSTEMIC_ROUNDS`] times first.
+    // Over 60 lines on purpose: the retry state machine of one batch (split, systemic, permanent), documented above.
     async fn process(
         &self,
         batch: Vec<Delivery>,
-        publishing: &mut PublishingConnection,
+        session: &mut ConsumerSession,
         token: &CancellationToken,
         busy: &Busy,
     ) -> Result<(), BrokerError> {
@@ -181,7 +160,7 @@ impl Releaser {
                 }),
                 Err(e) => {
                     let reason = format!("not a stock-release event: {e}");
-                    self.park(publishing, &delivery, &reason, "undecodable")
+                    self.park(session, &delivery, &reason, "undecodable")
                         .await?;
                 }
             }
@@ -208,7 +187,7 @@ impl Releaser {
                             "stock release of order {} failed like every other event of its batch, {} times: {}",
                             one.order_id, systemic_rounds, error
                         );
-                        self.park(publishing, &one.delivery, &reason, "release_failed")
+                        self.park(session, &one.delivery, &reason, "release_failed")
                             .await?;
                     }
                 } else {
@@ -236,7 +215,7 @@ impl Releaser {
                         "stock release of order {} failed {} times: {}",
                         one.order_id, one.failures, error
                     );
-                    self.park(publishing, &one.delivery, &reason, "release_failed")
+                    self.park(session, &one.delivery, &reason, "release_failed")
                         .await?;
                 }
             }
@@ -251,6 +230,7 @@ impl Releaser {
     /// Tries `work` once: releases what it can (acknowledging those deliveries),
     /// splits chunks that fail permanently down to single events, retries transient
     /// errors with back-off. Returns what is left.
+    // Over 60 lines on purpose: one try of each chunk with its three answers (released, transient, permanent), each with its counters.
     async fn round(
         &self,
         mut work: Vec<Vec<Pending>>,
@@ -276,7 +256,7 @@ impl Releaser {
                         if outcome.held.contains(&p.order_id) {
                             round.held.push(p);
                         } else {
-                            self.ack(&p.delivery).await?;
+                            ack(&p.delivery).await?;
                         }
                     }
                     if !outcome.held.is_empty() {
@@ -322,29 +302,30 @@ impl Releaser {
 
     async fn park(
         &self,
-        publishing: &mut PublishingConnection,
+        session: &mut ConsumerSession,
         delivery: &Delivery,
         reason: &str,
         kind: &'static str,
     ) -> Result<(), BrokerError> {
         tracing::warn!(%reason, "releaser: parking a message");
-        let properties = parked_properties(&delivery.properties, reason);
-        publishing
-            .publish(&self.names.parked(), "", &delivery.data, properties)
-            .await?;
-        self.ack(delivery).await?;
+        session.park(self.names.parked(), delivery, reason).await?;
         let stats = self.stats.by("releaser");
         stats.record(Outcome::Parked, 1);
         stats.parked(kind);
         Ok(())
     }
+}
 
-    async fn ack(&self, d: &Delivery) -> Result<(), BrokerError> {
-        d.acker
-            .ack(BasicAckOptions::default())
-            .await
-            .map(|_| ())
-            .map_err(BrokerError::amqp("basic.ack"))
+/// The releaser handles each batch of the shared session loop.
+impl BatchHandler for &Releaser {
+    async fn handle(
+        &mut self,
+        batch: Vec<Delivery>,
+        session: &mut ConsumerSession,
+        token: &CancellationToken,
+        busy: &Busy,
+    ) -> Result<(), BrokerError> {
+        self.process(batch, session, token, busy).await
     }
 }
 

@@ -53,6 +53,7 @@ fn over(ms: Option<f64>, limit: Duration) -> bool {
 }
 
 /// The problems of `status` (and of `drift`, the AMQP-only topology check, when given).
+// Over 60 lines on purpose: one check per problem `--check` reports, in the documented order.
 pub fn problems(
     status: &Status,
     drift: Option<&VerifyReport>,

@@ -114,7 +114,7 @@ pub(crate) async fn declare_exchange(
             e.name.as_str().into(),
             lapin_kind(e.kind),
             options,
-            broker::field_table(&e.arguments),
+            super::field_table(&e.arguments),
         )
         .await;
     finish(channel, &e.name, result.map(|_| ())).await
@@ -138,7 +138,7 @@ pub(crate) async fn declare_queue(
     let args = if passive {
         FieldTable::default()
     } else {
-        broker::field_table(&q.arguments)
+        super::field_table(&q.arguments)
     };
     let result = channel
         .queue_declare(q.name.as_str().into(), options, args)

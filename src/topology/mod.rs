@@ -47,6 +47,20 @@ impl fmt::Display for ArgValue {
 
 pub type Arguments = BTreeMap<String, ArgValue>;
 
+/// `args` as the AMQP field table a declare sends.
+pub fn field_table(args: &Arguments) -> lapin::types::FieldTable {
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    let mut table = FieldTable::default();
+    for (key, value) in args {
+        let value = match value {
+            ArgValue::Int(n) => AMQPValue::LongLongInt(*n),
+            ArgValue::Str(s) => AMQPValue::LongString(LongString::from(s.as_str())),
+        };
+        table.insert(ShortString::from(key.as_str()), value);
+    }
+    table
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ExchangeKind {
@@ -102,6 +116,7 @@ pub struct Names {
 }
 
 impl Names {
+    // Over 60 lines on purpose: the broker objects as data, in the order `apply` declares them; read top to bottom it is the topology.
     pub fn new(prefix: impl Into<String>) -> Self {
         Self {
             prefix: prefix.into(),

@@ -13,9 +13,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::apply::{Declared, declare_exchange, declare_queue};
-use super::{ArgValue, Topology};
+use super::{ArgValue, QueueSpec, Topology};
 use crate::broker::BrokerError;
-use crate::management::Management;
+use crate::management::{Management, QueueInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -157,12 +157,34 @@ fn record(report: &mut VerifyReport, name: &str, outcome: Declared) {
     }
 }
 
+/// The checks only the management API can make: feature flags, exact queue
+/// arguments, overriding policies, bindings.
 async fn verify_with_management(
     report: &mut VerifyReport,
     m: &Management,
     vhost: &str,
     topology: &Topology,
 ) {
+    if !check_feature_flags(report, m).await {
+        return;
+    }
+    for q in &topology.queues {
+        let info = match m.queue(vhost, &q.name).await {
+            Ok(Some(info)) => info,
+            Ok(None) => continue, // already reported missing over AMQP
+            Err(e) => {
+                report.push(&q.name, "management", CheckStatus::Failed, e.to_string());
+                continue;
+            }
+        };
+        check_queue(report, q, &info);
+    }
+    check_bindings(report, m, vhost, topology).await;
+}
+
+/// The feature flags at-least-once dead-lettering needs; false when the management
+/// API cannot be reached (then no other check of it is made).
+async fn check_feature_flags(report: &mut VerifyReport, m: &Management) -> bool {
     match m.feature_flags().await {
         Err(e) if e.unreachable_reason().is_some() => {
             let why = e.unreachable_reason().unwrap_or_default();
@@ -183,7 +205,7 @@ async fn verify_with_management(
                 &detail,
             );
             report.management_unreachable = Some(detail);
-            return;
+            return false;
         }
         Ok(flags) => {
             for wanted in ["quorum_queue", "stream_queue"] {
@@ -211,75 +233,79 @@ async fn verify_with_management(
             e.to_string(),
         ),
     }
-    for q in &topology.queues {
-        let info = match m.queue(vhost, &q.name).await {
-            Ok(Some(info)) => info,
-            Ok(None) => continue, // already reported missing over AMQP
-            Err(e) => {
-                report.push(&q.name, "management", CheckStatus::Failed, e.to_string());
-                continue;
-            }
-        };
-        let mut problems = Vec::new();
-        for (key, want) in &q.arguments {
-            let have = info.arguments.get(key);
-            if !same_value(want, have) {
-                problems.push(format!("{key}: wants {want}, has {}", shown(have)));
-            }
-        }
-        for key in info
-            .arguments
-            .keys()
-            .filter(|k| !q.arguments.contains_key(*k))
-        {
-            problems.push(format!(
-                "{key}: unexpected, has {}",
-                shown(info.arguments.get(key))
-            ));
-        }
-        if problems.is_empty() {
-            report.push(
-                &q.name,
-                "exact arguments",
-                CheckStatus::Ok,
-                "as in the tier file",
-            );
-        } else {
-            report.push(
-                &q.name,
-                "exact arguments",
-                CheckStatus::Failed,
-                problems.join("; "),
-            );
-        }
-        let overriding: Vec<String> = match &info.effective_policy_definition {
-            Some(Value::Object(def)) => def
-                .keys()
-                .filter(|k| GUARDED_POLICY_KEYS.contains(&k.as_str()))
-                .cloned()
-                .collect(),
-            _ => Vec::new(),
-        };
-        if overriding.is_empty() {
-            report.push(
-                &q.name,
-                "policies",
-                CheckStatus::Ok,
-                "none override the arguments",
-            );
-        } else {
-            let names: Vec<&str> = [info.policy.as_deref(), info.operator_policy.as_deref()]
-                .into_iter()
-                .flatten()
-                .collect();
-            report.push(
-                &q.name,
-                "policies",
-                CheckStatus::Failed,
-                format!("policy {} sets {}", names.join(", "), overriding.join(", ")),
-            );
+    true
+}
+
+/// One queue's exact arguments and the policies that would override them.
+// Over 60 lines on purpose: two checks of one queue (exact arguments, overriding policies), each reported as it is made.
+fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
+    let mut problems = Vec::new();
+    for (key, want) in &q.arguments {
+        let have = info.arguments.get(key);
+        if !same_value(want, have) {
+            problems.push(format!("{key}: wants {want}, has {}", shown(have)));
         }
     }
+    for key in info
+        .arguments
+        .keys()
+        .filter(|k| !q.arguments.contains_key(*k))
+    {
+        problems.push(format!(
+            "{key}: unexpected, has {}",
+            shown(info.arguments.get(key))
+        ));
+    }
+    if problems.is_empty() {
+        report.push(
+            &q.name,
+            "exact arguments",
+            CheckStatus::Ok,
+            "as in the tier file",
+        );
+    } else {
+        report.push(
+            &q.name,
+            "exact arguments",
+            CheckStatus::Failed,
+            problems.join("; "),
+        );
+    }
+    let overriding: Vec<String> = match &info.effective_policy_definition {
+        Some(Value::Object(def)) => def
+            .keys()
+            .filter(|k| GUARDED_POLICY_KEYS.contains(&k.as_str()))
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
+    };
+    if overriding.is_empty() {
+        report.push(
+            &q.name,
+            "policies",
+            CheckStatus::Ok,
+            "none override the arguments",
+        );
+    } else {
+        let names: Vec<&str> = [info.policy.as_deref(), info.operator_policy.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        report.push(
+            &q.name,
+            "policies",
+            CheckStatus::Failed,
+            format!("policy {} sets {}", names.join(", "), overriding.join(", ")),
+        );
+    }
+}
+
+async fn check_bindings(
+    report: &mut VerifyReport,
+    m: &Management,
+    vhost: &str,
+    topology: &Topology,
+) {
     for b in &topology.bindings {
         let subject = format!("{} -> {}", b.exchange, b.queue);
         match m.bindings(vhost, &b.exchange, &b.queue).await {

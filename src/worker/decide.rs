@@ -1,4 +1,4 @@
-//! The worker's decision for a batch of deliveries (SPEC §3), as data: read the
+//! The worker's decision for a batch of deliveries (docs/pipeline.md), as data: read the
 //! orders and the database clock in one transaction, close what is due with the
 //! guarded UPDATE in the same transaction, and say what to do with each delivery.
 //! Executing the actions (publish, ack, park, hold) is the consumer's job.
@@ -68,20 +68,20 @@ struct OrderRow {
 
 impl OrderRow {
     /// Decodes one row of the batch read (`id, status, deadline_version, expire_at,
-    /// expire_at::text` from column 1): `None` for the no-order row of the LEFT JOIN.
+    /// raw`): `None` for the no-order row of the LEFT JOIN.
     fn decode(row: &tokio_postgres::Row) -> Option<(i64, Result<Self, String>)> {
-        let id: i64 = db::column::<Option<i64>>(row, 1).ok()??;
+        let id: i64 = db::column::<Option<i64>>(row, "id").ok()??;
         let fields = || -> Result<Self, DbError> {
-            let expire_at = db::column(row, 4)
+            let expire_at = db::column(row, "expire_at")
                 .map_err(|e| e.to_string())
                 .and_then(|t| deadline::checked(t).map_err(|e| e.to_string()))
                 .map_err(|e| {
-                    let raw: String = db::column(row, 5).unwrap_or_else(|_| "?".into());
+                    let raw: String = db::column(row, "raw").unwrap_or_else(|_| "?".into());
                     format!("order {id} has a deadline lapse cannot handle ({raw}): {e}")
                 });
             Ok(Self {
-                status: db::column(row, 2)?,
-                deadline_version: db::column(row, 3)?,
+                status: db::column(row, "status")?,
+                deadline_version: db::column(row, "deadline_version")?,
                 expire_at,
             })
         };
@@ -144,7 +144,7 @@ impl Decider {
         let tx = client.transaction().await?;
         let rows = tx
             .query(
-                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text
+                "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text AS raw
                    FROM (SELECT now()) AS n(now)
                    LEFT JOIN orders o ON o.id = ANY($1)",
                 &[&ids],
@@ -153,7 +153,7 @@ impl Decider {
         let first = rows
             .first()
             .ok_or_else(|| DbError::Unreadable("the batch read returned no row".into()))?;
-        let db_now: DateTime<Utc> = db::column(first, 0)?;
+        let db_now: DateTime<Utc> = db::column(first, "now")?;
         let orders: HashMap<i64, Result<OrderRow, String>> =
             rows.iter().filter_map(OrderRow::decode).collect();
         let candidates: Vec<Candidate> = messages
@@ -279,122 +279,5 @@ fn park(reason: &str) -> Action {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Secret;
-
-    fn decider() -> Decider {
-        Decider {
-            // Never connected: classify and retry are pure.
-            pool: db::pool(
-                &crate::config::DatabaseConfig {
-                    url: Secret::new("postgres://nobody@127.0.0.1:1/none"),
-                    ..crate::config::Config::default().database
-                },
-                1,
-            )
-            .unwrap(),
-            names: Names::new("t"),
-            tiers: TierSet::new(vec![
-                Tier::parse("1s").unwrap(),
-                Tier::parse("10s").unwrap(),
-            ]),
-            max_attempts: 3,
-            retry_backoff: Duration::from_millis(500),
-            lock_retry: Duration::from_millis(500),
-            lock_timeout: Duration::from_secs(5),
-        }
-    }
-
-    fn now() -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339("2026-12-02T10:00:00Z")
-            .unwrap()
-            .with_timezone(&Utc)
-    }
-
-    fn snapshot(row: Result<OrderRow, String>) -> Snapshot {
-        Snapshot {
-            db_now: now(),
-            orders: HashMap::from([(7, row)]),
-            closed: Vec::new(),
-            locked: HashSet::new(),
-        }
-    }
-
-    fn unpaid(expire_at: Result<DateTime<Utc>, String>) -> OrderRow {
-        OrderRow {
-            status: "UNPAID".into(),
-            deadline_version: 1,
-            expire_at,
-        }
-    }
-
-    #[test]
-    fn an_unreadable_deadline_parks_only_when_the_decision_needs_it() {
-        let d = decider();
-        let m = TimeoutMessage::new(7, now(), 1);
-        let bad = || Err("order 7 has a deadline lapse cannot handle (-infinity)".to_string());
-        let action = d.classify(&m, &snapshot(Ok(unpaid(bad()))), &mut HashSet::new());
-        assert_eq!(
-            action,
-            Action::Park {
-                reason: "order 7 has a deadline lapse cannot handle (-infinity)".into(),
-                outcome: Outcome::Parked,
-            }
-        );
-        let stale = TimeoutMessage::new(7, now(), 2);
-        let action = d.classify(&stale, &snapshot(Ok(unpaid(bad()))), &mut HashSet::new());
-        assert_eq!(action, Action::Ack(Outcome::Stale));
-        let paid = OrderRow {
-            status: "PAID".into(),
-            ..unpaid(bad())
-        };
-        let action = d.classify(&m, &snapshot(Ok(paid)), &mut HashSet::new());
-        assert_eq!(action, Action::Ack(Outcome::Settled));
-        let action = d.classify(&m, &snapshot(Err("order 7: x".into())), &mut HashSet::new());
-        assert!(matches!(action, Action::Park { .. }), "{action:?}");
-    }
-
-    #[test]
-    fn counters_carried_in_messages_saturate() {
-        let d = decider();
-        let mut m = TimeoutMessage::new(7, now() + chrono::TimeDelta::seconds(30), 1);
-        m.hops = u32::MAX;
-        let action = d.classify(
-            &m,
-            &snapshot(Ok(unpaid(Ok(m.expire_at)))),
-            &mut HashSet::new(),
-        );
-        let Action::Publish {
-            message,
-            reroute_after,
-            ..
-        } = action
-        else {
-            panic!("expected a re-delay, got {action:?}");
-        };
-        assert_eq!(message.hops, u32::MAX);
-        // 30 s left, the 10s tier: another route once fewer than 10 s are left.
-        assert_eq!(reroute_after, Some(Duration::from_secs(20)));
-
-        m.attempt = u32::MAX;
-        let error = DbError::Config("down".into());
-        assert!(matches!(
-            d.retry(&m, &error),
-            Action::Park {
-                outcome: Outcome::GaveUp,
-                ..
-            }
-        ));
-        m.attempt = 1;
-        let Action::Publish {
-            message,
-            reroute_after: None,
-            ..
-        } = d.retry(&m, &error)
-        else {
-            panic!("expected a retry");
-        };
-        assert_eq!((message.attempt, message.hops), (2, u32::MAX));
-    }
-}
+#[path = "decide_tests.rs"]
+mod tests;

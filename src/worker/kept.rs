@@ -45,7 +45,12 @@ impl Kept {
 
     /// Hands every kept delivery back to `source` when it is due to be decided again;
     /// returns how many were kept.
-    pub fn hold_all(self, source: &BatchSource, retry: &mut Backoff, read_at: Instant) -> usize {
+    pub fn hold_all(
+        self,
+        source: &mut BatchSource,
+        retry: &mut Backoff,
+        read_at: Instant,
+    ) -> usize {
         let Some(error) = self.failure else {
             return 0;
         };
@@ -56,11 +61,7 @@ impl Kept {
             "worker: publish failed or not attempted; keeping the deliveries to decide again");
         let now = Instant::now();
         for (delivery, reroute_after) in self.deliveries {
-            hold(
-                source,
-                delivery,
-                recheck_at(now, delay, read_at, reroute_after),
-            );
+            source.hold(delivery, recheck_at(now, delay, read_at, reroute_after));
         }
         kept
     }
@@ -79,15 +80,6 @@ fn recheck_at(
         Some(r) => backed_off.min((read_at + r).max(now + MIN_RECHECK)),
         None => backed_off,
     }
-}
-
-/// Keeps `delivery` unacknowledged and hands it back to the batch source at `until`.
-pub(super) fn hold(source: &BatchSource, delivery: Delivery, until: Instant) {
-    let back = source.return_to.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep_until(until).await;
-        let _ = back.send(delivery);
-    });
 }
 
 #[cfg(test)]

@@ -19,32 +19,32 @@
 
 mod decide;
 mod kept;
+mod plan;
 
 pub use decide::{Action, Decider};
-use kept::{Kept, hold};
+use kept::Kept;
+pub use plan::{Publish, Step, Tiers, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{BatchSource, ConsumerSession};
+use crate::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, ack, consume};
 use crate::broker::{BrokerError, Endpoint};
 use crate::config::Config;
-use crate::health::Health;
-use crate::message::{TimeoutMessage, parked_properties};
-use crate::publishing::PublishingConnection;
+use crate::health::{Busy, Health};
+use crate::message::TimeoutMessage;
+use crate::publishing::{Outgoing, PublishingConnection, parked_copy};
 use crate::rate::RateLimiter;
 use crate::stats::{Outcome, Stats};
 use crate::supervisor::Fatal;
-use crate::tier::{Tier, TierSet};
+use crate::tier::TierSet;
 use crate::tier_check::TierCheck;
+use crate::timeline::Hop;
 use crate::topology::Names;
 
 #[derive(Clone)]
@@ -57,6 +57,43 @@ pub struct Consumer {
     pub batch_window: Duration,
     pub limiter: RateLimiter,
     pub tier_check: TierCheck,
+}
+
+/// The consumer's side of a session: `retry` paces the deliveries kept after a failed
+/// publish, for the session's lifetime.
+struct Batches<'a> {
+    consumer: &'a Consumer,
+    retry: Backoff,
+}
+
+impl BatchHandler for Batches<'_> {
+    async fn handle(
+        &mut self,
+        batch: Vec<Delivery>,
+        session: &mut ConsumerSession,
+        token: &CancellationToken,
+        busy: &Busy,
+    ) -> Result<(), BrokerError> {
+        let report = self
+            .consumer
+            .process(
+                batch,
+                &mut session.publishing,
+                &mut session.source,
+                &mut self.retry,
+            )
+            .await?;
+        // Pay for the closes after the fact: the next batch waits, so a backlog
+        // drains at the configured rate. Only closes count, not duplicates or stale ones.
+        // A shutdown ends the wait at once (the next `next` then stops the loop).
+        busy.idle_while(
+            self.consumer
+                .limiter
+                .acquire_or_cancelled(report.closed, token),
+        )
+        .await;
+        Ok(())
+    }
 }
 
 /// What one batch did.
@@ -117,70 +154,43 @@ impl Consumer {
         .await
     }
 
-    /// One broker session. Opening it and each batch are units of work for the
-    /// liveness check; waiting for deliveries and rate limiting are not.
+    /// One broker session (the loop shared with the releaser, [`consume`]). Opening
+    /// it and each batch are units of work for the liveness check; waiting for
+    /// deliveries and rate limiting are not.
     async fn session(
         &self,
         broker: &Endpoint,
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let queue = self.names.due_queue();
-        let mut session = ConsumerSession::open(
-            broker,
-            "worker",
-            &self.names.prefix,
-            "consumer",
-            health,
-            &queue,
-            self.prefetch,
-        )
-        .await?;
-        let mut retry = Backoff::new();
-        let result = loop {
-            let batch = match session
-                .source
-                .next(self.batch_size, self.batch_window, token)
-                .await
-            {
-                Ok(Some(batch)) => batch,
-                Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
-            };
-            let busy = health.busy("consumer");
-            let report = self
-                .process(batch, &mut session.publishing, &session.source, &mut retry)
-                .await;
-            // Pay for the closes after the fact: the next batch waits, so a backlog
-            // drains at the configured rate. Only closes count, not duplicates or stale ones.
-            // A shutdown ends the wait at once (the next `next` then stops the loop).
-            if let Ok(report) = &report {
-                busy.idle_while(self.limiter.acquire_or_cancelled(report.closed, token))
-                    .await;
-            }
-            drop(busy);
-            if let Err(e) = report {
-                break Err(e);
-            }
+        let how = Consuming {
+            endpoint: broker,
+            role: "worker",
+            prefix: &self.names.prefix,
+            component: "consumer",
+            queue: self.names.due_queue(),
+            prefetch: self.prefetch,
+            batch_size: self.batch_size,
+            batch_window: self.batch_window,
         };
-        session.close().await;
-        result
+        let mut batches = Batches {
+            consumer: self,
+            retry: Backoff::new(),
+        };
+        consume(&how, health, token, &mut batches).await
     }
 
-    /// Decides and carries out one batch. `retry` paces the deliveries kept after a
-    /// failed publish.
+    /// Decides and carries out one batch: the decision (database read and close, then
+    /// the pure [`plan`] of each delivery) and its execution. `retry` paces the
+    /// deliveries kept after a failed publish.
     #[tracing::instrument(skip_all, fields(size = batch.len()))]
     pub async fn process(
         &self,
         batch: Vec<Delivery>,
         publishing: &mut PublishingConnection,
-        source: &BatchSource,
+        source: &mut BatchSource,
         retry: &mut Backoff,
     ) -> Result<BatchReport, BrokerError> {
-        let mut report = BatchReport {
-            deliveries: batch.len(),
-            ..Default::default()
-        };
         let messages: Vec<_> = batch
             .iter()
             .map(|d| TimeoutMessage::decode(&d.data))
@@ -193,114 +203,123 @@ impl Consumer {
             self.stats.lateness(c.lateness(), "timeout");
         }
         let mut kept = Kept::default();
-        let tiers: BTreeSet<Tier> = actions
-            .iter()
-            .filter_map(|a| match a {
-                Action::Publish { route, .. } => route.tier,
-                _ => None,
-            })
-            .collect();
-        // Unknown (the question failed) counts as missing: keep those deliveries too.
-        let (missing, unknown) = match tiers.is_empty() {
-            true => (BTreeSet::new(), false),
-            false => match publishing.missing_tiers(&self.tier_check, tiers).await {
-                Ok(missing) => (missing, false),
+        let wanted = wanted_tiers(&actions);
+        let tiers = match wanted.is_empty() {
+            true => Tiers::Missing(BTreeSet::new()),
+            false => match publishing.missing_tiers(&self.tier_check, wanted).await {
+                Ok(missing) => Tiers::Missing(missing),
                 Err(e) => {
                     kept.because(e);
-                    (BTreeSet::new(), true)
+                    Tiers::Unknown
                 }
             },
         };
-        let mut to_publish = Vec::new();
-        let mut waiting = Vec::new();
-        let mut hops = Vec::new();
-        for ((delivery, action), message) in batch.into_iter().zip(actions).zip(&messages) {
-            match action {
-                Action::Ack(outcome) => {
+        let steps: Vec<(Delivery, Step)> = batch
+            .into_iter()
+            .zip(actions)
+            .zip(&messages)
+            .map(|((delivery, action), decoded)| {
+                let step = plan(action, decoded, &delivery, &self.names, &tiers);
+                (delivery, step)
+            })
+            .collect();
+        let mut report = self
+            .execute(steps, publishing, source, retry, read_at, kept)
+            .await?;
+        report.closed = closed.len();
+        Ok(report)
+    }
+
+    /// Carries out the steps of one batch: acknowledges, holds, publishes (then
+    /// acknowledges what was confirmed), keeps what could not be published.
+    async fn execute(
+        &self,
+        steps: Vec<(Delivery, Step)>,
+        publishing: &mut PublishingConnection,
+        source: &mut BatchSource,
+        retry: &mut Backoff,
+        read_at: tokio::time::Instant,
+        mut kept: Kept,
+    ) -> Result<BatchReport, BrokerError> {
+        let mut report = BatchReport {
+            deliveries: steps.len(),
+            ..Default::default()
+        };
+        let mut publishes = Vec::new();
+        for (delivery, step) in steps {
+            match step {
+                Step::Ack(outcome) => {
                     ack(&delivery).await?;
                     self.stats.record(outcome, 1);
                     report.acked += 1;
                 }
-                Action::Hold(after) | Action::Locked(after) => {
-                    let outcome = match action {
-                        Action::Locked(_) => Outcome::Locked,
-                        _ => Outcome::Held,
-                    };
+                Step::Hold { after, outcome } => {
                     self.stats.record(outcome, 1);
                     report.held += 1;
-                    hold(source, delivery, read_at + after);
+                    source.hold(delivery, read_at + after);
                 }
-                Action::Publish {
-                    route,
-                    message,
-                    outcome,
+                Step::Keep {
                     reroute_after,
+                    missing_queue,
                 } => {
-                    if let Some(t) = route.tier.filter(|t| unknown || missing.contains(t)) {
-                        if !unknown {
-                            self.stats.record(Outcome::Unroutable, 1);
-                            let queue = self.names.wait_queue(t);
-                            kept.because(BrokerError::MissingTier { queue });
-                        }
-                        kept.keep(delivery, reroute_after);
-                        continue;
+                    if let Some(queue) = missing_queue {
+                        self.stats.record(Outcome::Unroutable, 1);
+                        kept.because(BrokerError::MissingTier { queue });
                     }
-                    let tier = route.tier.map(|t| t.name());
-                    self.stats.hop(tier.as_deref());
-                    hops.push((message.order_id, json!({
-                        "tier": tier, "by": "worker", "deadline_version": message.deadline_version,
-                        "attempt": message.attempt,
-                    })));
-                    to_publish.push((
-                        route.exchange,
-                        route.routing_key,
-                        message.encode(),
-                        message.properties(),
-                    ));
-                    waiting.push((delivery, outcome, reroute_after, None));
+                    kept.keep(delivery, reroute_after);
                 }
-                Action::Park { reason, outcome } => {
-                    tracing::warn!(%reason, "worker: parking a message");
-                    let kind = match (outcome, message) {
-                        (Outcome::GaveUp, _) => "database_unavailable",
-                        (_, Err(_)) => "undecodable",
-                        (_, Ok(_)) => "bad_deadline",
-                    };
-                    let properties: BasicProperties =
-                        parked_properties(&delivery.properties, &reason);
-                    to_publish.push((
-                        self.names.parked(),
-                        String::new(),
-                        delivery.data.clone(),
-                        properties,
-                    ));
-                    waiting.push((delivery, outcome, None, Some(kind)));
-                }
+                Step::Publish(p) => publishes.push((delivery, *p)),
             }
         }
-        let attempted = !to_publish.is_empty();
-        let results = publishing.publish_all(to_publish).await;
+        let attempted = !publishes.is_empty();
+        let hops = self
+            .publish_then_ack(publishes, publishing, &mut kept, &mut report)
+            .await?;
+        // Keep the deliveries (no nack: that would spend their delivery budget) and
+        // decide them again later: by then some may be due, or the tier may have room.
+        if kept.failed() {
+            report.retrying = kept.hold_all(source, retry, read_at);
+        } else if attempted {
+            retry.reset();
+        }
+        self.record_hops(&hops).await;
+        Ok(report)
+    }
+
+    /// Publishes with confirms and acknowledges each delivery whose publish was
+    /// confirmed; parks the ones the broker confirmed but could not route; keeps the
+    /// rest. Returns the hops that went out.
+    // Over 60 lines on purpose: each publish outcome (confirmed, confirmed but unroutable, failed) with its counters; the unroutable ones need a second publish.
+    async fn publish_then_ack(
+        &self,
+        publishes: Vec<(Delivery, Publish)>,
+        publishing: &mut PublishingConnection,
+        kept: &mut Kept,
+        report: &mut BatchReport,
+    ) -> Result<Vec<Hop>, BrokerError> {
+        let messages = publishes.iter().map(|(_, p)| p.message.clone()).collect();
+        let results = publishing.publish_all(messages).await;
+        let mut hops = Vec::new();
         let mut unroutable = Vec::new();
-        for ((delivery, outcome, reroute_after, park), result) in waiting.into_iter().zip(results) {
+        for ((delivery, p), result) in publishes.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     ack(&delivery).await?;
-                    self.stats.record(outcome, 1);
-                    if let Some(kind) = park {
+                    self.stats.record(p.outcome, 1);
+                    if let Some(kind) = p.park {
+                        tracing::warn!(reason = kind, "worker: parked a message");
                         self.stats.parked(kind);
+                    }
+                    if let Some(hop) = p.hop {
+                        self.stats.hop(Some(hop.tier.as_str()));
+                        hops.push(hop);
                     }
                     report.acked += 1;
                 }
                 // Confirmed but routed nowhere: acknowledging would lose it.
                 Err(e @ BrokerError::Unroutable { .. }) => {
                     tracing::warn!(error = %e, "worker: publish unroutable; parking the delivery");
-                    let properties = parked_properties(&delivery.properties, &e.to_string());
-                    let copy = (
-                        self.names.parked(),
-                        String::new(),
-                        delivery.data.clone(),
-                        properties,
-                    );
+                    let copy = parked_copy(self.names.parked(), &delivery, &e.to_string());
                     unroutable.push((copy, delivery));
                 }
                 Err(e) => {
@@ -308,11 +327,16 @@ impl Consumer {
                         self.stats.record(Outcome::PublishRefused, 1);
                     }
                     kept.because(e);
-                    kept.keep(delivery, reroute_after);
+                    kept.keep(delivery, p.reroute_after);
                 }
             }
         }
-        for (delivery, result) in self.park_unroutable(unroutable, publishing).await {
+        if unroutable.is_empty() {
+            return Ok(hops);
+        }
+        let (copies, deliveries): (Vec<Outgoing>, Vec<Delivery>) = unroutable.into_iter().unzip();
+        let results = publishing.publish_all(copies).await;
+        for (delivery, result) in deliveries.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     ack(&delivery).await?;
@@ -326,60 +350,17 @@ impl Consumer {
                 }
             }
         }
-        // Keep the deliveries (no nack: that would spend their delivery budget) and
-        // decide them again later: by then some may be due, or the tier may have room.
-        if kept.failed() {
-            report.retrying = kept.hold_all(source, retry, read_at);
-        } else if attempted {
-            retry.reset();
-        }
-        self.record_hops(hops).await;
-        report.closed = closed.len();
-        Ok(report)
-    }
-
-    /// Publishes the parked copies of deliveries whose publish no queue took; each
-    /// delivery with the result of its copy.
-    async fn park_unroutable(
-        &self,
-        parked: Vec<(PublishItem, Delivery)>,
-        publishing: &mut PublishingConnection,
-    ) -> Vec<(Delivery, Result<(), BrokerError>)> {
-        if parked.is_empty() {
-            return Vec::new();
-        }
-        let (copies, deliveries): (Vec<PublishItem>, Vec<Delivery>) = parked.into_iter().unzip();
-        let results = publishing.publish_all(copies).await;
-        deliveries.into_iter().zip(results).collect()
+        Ok(hops)
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.
-    async fn record_hops(&self, hops: Vec<(i64, serde_json::Value)>) {
+    async fn record_hops(&self, hops: &[Hop]) {
         if hops.is_empty() {
             return;
         }
-        let (ids, details): (Vec<i64>, Vec<serde_json::Value>) = hops.into_iter().unzip();
         let Ok(client) = self.decider.pool.get().await else {
             return;
         };
-        let _ = client
-            .execute(
-                "INSERT INTO order_events (order_id, event, detail)
-                 SELECT id, 'hop', d FROM unnest($1::bigint[], $2::jsonb[]) AS x(id, d)",
-                &[&ids, &details],
-            )
-            .await;
+        let _ = crate::timeline::record_hops(&**client, hops).await;
     }
-}
-
-/// A publish: exchange, routing key, body, properties.
-type PublishItem = (String, String, Vec<u8>, BasicProperties);
-
-async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map(|_| ())
-        .map_err(BrokerError::amqp("basic.ack"))
 }

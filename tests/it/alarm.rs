@@ -197,9 +197,9 @@ async fn a_confirm_that_never_comes_ends_in_a_timeout_not_a_hang() {
         "{outcome:?}"
     );
     let batch = vec![
-        (
-            "".to_string(),
-            "confirm-timeout".to_string(),
+        lapse::broker::Outgoing::new(
+            "",
+            "confirm-timeout",
             b"x".to_vec(),
             BasicProperties::default()
         );

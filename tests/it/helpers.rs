@@ -150,7 +150,7 @@ impl TestEnv {
         c.worker.sweeper = false;
         c.worker.migrate_on_start = false;
         // Generous on a busy test machine: the slack used is the relay's actual lag.
-        c.worker.tier_tolerance = Duration::from_millis(100);
+        c.relay.tier_tolerance = Duration::from_millis(100);
         c.worker.retry_backoff = Duration::from_millis(250);
         c.worker.drain_timeout = Duration::from_secs(5);
         c.relay.poll_interval = Duration::from_millis(200);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapse::broker::{Endpoint, field_table};
+use lapse::broker::Endpoint;
 use lapse::config::Secret;
 use lapse::health::Health;
 use lapse::message::park_reason;
@@ -17,6 +17,7 @@ use lapse::publishing::PublishingConnection;
 use lapse::redelivery::{self, GiveBack, ReturnLimit};
 use lapse::stats::Outcome;
 use lapse::topology::ArgValue;
+use lapse::topology::field_table;
 
 use crate::helpers::{TestEnv, amqp_url, assert_never_early, count, create_orders, eventually};
 
@@ -141,7 +142,12 @@ async fn give_back_counts_its_own_returns_and_parks_at_lapses_limit() {
         .await
         .unwrap();
     publishing
-        .publish("", &queue, br#"{"order_id":7}"#, BasicProperties::default())
+        .publish(lapse::broker::Outgoing::new(
+            "",
+            queue.as_str(),
+            br#"{"order_id":7}"#.to_vec(),
+            BasicProperties::default(),
+        ))
         .await
         .unwrap();
 

@@ -7,8 +7,9 @@ use futures_util::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapse::broker::{Publisher, field_table};
+use lapse::broker::Publisher;
 use lapse::topology::ArgValue;
+use lapse::topology::field_table;
 use serde_json::{Value, json};
 
 use crate::helpers::{TestEnv, stdout};
