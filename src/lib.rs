@@ -38,6 +38,8 @@
 //! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //! - [`redact`]: masks passwords in every error, log line and panic message.
 //! - [`telemetry`]: structured logs.
+//! - [`demo`]: `lapse demo` — a realistic run on local services in its own prefix and
+//!   database, with progress, a report and an SVG picture.
 //! - [`cli`]: the command line.
 
 pub mod backoff;
@@ -48,6 +50,7 @@ pub mod close;
 pub mod config;
 pub mod db;
 pub mod deadline;
+pub mod demo;
 pub mod health;
 pub mod http;
 pub mod management;

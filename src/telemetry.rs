@@ -80,6 +80,18 @@ pub fn try_init() -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Like [`try_init`], with `level` as the filter when neither `LAPSE_LOG` nor
+/// `RUST_LOG` is set.
+pub fn try_init_with_default(level: &str) -> Result<(), ConfigError> {
+    let unset = std::env::var_os(LOG_VAR).is_none() && std::env::var_os("RUST_LOG").is_none();
+    let settings = Settings::from_vars(|name| match name {
+        LOG_VAR if unset => Some(level.to_string()),
+        _ => std::env::var(name).ok(),
+    })?;
+    install(&settings);
+    Ok(())
+}
+
 /// Like [`try_init`], falling back to `info` text logs when a variable is invalid.
 pub fn init() {
     let settings = Settings::from_vars(|name| std::env::var(name).ok()).unwrap_or(Settings {
