@@ -326,3 +326,22 @@ async fn keep_leaves_the_queues_exchanges_and_database_in_place() {
     assert_eq!(existing(&prefix).await, Vec::<String>::new());
     assert_eq!(demo.leftovers().await, (Vec::new(), Vec::new()));
 }
+
+#[test]
+fn bad_sizes_are_usage_errors_naming_the_option() {
+    for (args, option) in [
+        (["--orders", "0"], "--orders"),
+        (["--orders", "100001"], "--orders"),
+        (["--orders", "99999999999999"], "--orders"),
+        (["--duration", "0s"], "--duration"),
+        (["--duration", "-5s"], "--duration"),
+        (["--duration", "2h"], "--duration"),
+        (["--duration", "soon"], "--duration"),
+    ] {
+        let mut full = vec!["demo"];
+        full.extend_from_slice(&args);
+        let out = run_lapse(&full, &[]);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(option), "{args:?}: {}", stderr(&out));
+    }
+}
