@@ -68,7 +68,7 @@ impl Progress {
                 let bar = indicatif::ProgressBar::new(self.orders);
                 bar.set_style(
                     indicatif::ProgressStyle::with_template(
-                        "{elapsed:>4} [{bar:30}] {pos}/{len} settled\n{wide_msg}",
+                        "{elapsed:>4} [{bar:30}] {pos}/{len} settled (paid or closed)\n{msg}",
                     )
                     .expect("a valid template")
                     .progress_chars("=> "),
@@ -96,10 +96,12 @@ impl Progress {
             let line = self.line(&snap);
             match &bar {
                 Some(bar) => {
-                    bar.set_position((snap.closed + snap.paid).max(0) as u64);
+                    // Each setter may draw (rate-limited); draw both together.
                     bar.set_message(line);
+                    bar.set_position((snap.closed + snap.paid).max(0) as u64);
+                    bar.force_draw();
                 }
-                None => eprintln!("demo: {line}"),
+                None => eprintln!("demo: {}", line.replace('\n', "  ")),
             }
         }
         if let Some(bar) = bar {
@@ -114,20 +116,17 @@ impl Progress {
         let scheduled = self.counters.scheduled.load(Ordering::Relaxed);
         let waiting: Vec<String> = s.waiting.iter().map(|(t, n)| format!("{t}:{n}")).collect();
         let lateness = match (s.p99_ms, s.max_ms) {
-            (Some(p99), Some(max)) => format!("lateness p99 {p99:.1} ms, max {max:.1} ms"),
+            (Some(p99), Some(max)) => format!("lateness p99 {p99:.1} max {max:.1} ms"),
             _ => "lateness -".into(),
         };
+        let waiting = if waiting.is_empty() {
+            "-".to_string()
+        } else {
+            waiting.join(" ")
+        };
         format!(
-            "scheduled {scheduled}/{} | waiting {} | closed {} | paid {} | late payments refused {} | {lateness}",
-            self.orders,
-            if waiting.is_empty() {
-                "-".into()
-            } else {
-                waiting.join(" ")
-            },
-            s.closed,
-            s.paid,
-            s.refused_late,
+            "closed {}  paid {}  late pay refused {}  {lateness}\nscheduled {scheduled}/{}  waiting per tier {waiting}",
+            s.closed, s.paid, s.refused_late, self.orders,
         )
     }
 
