@@ -2,7 +2,8 @@
 //! [`crate::redact`], so no log line can carry a password.
 //!
 //! Two environment variables, which are not configuration keys:
-//! - `LAPSE_LOG`: the filter (`info` by default; `RUST_LOG` is read when it is unset),
+//! - `LAPSE_LOG`: the filter (`info` by default, `warn` for `lapse demo`; `RUST_LOG` is
+//!   read when it is unset),
 //!   e.g. `warn`, `lapse=debug`, `lapse::relay=trace,info`.
 //! - `LAPSE_LOG_FORMAT`: `text` (default) or `json` (one JSON object per line).
 //!
