@@ -20,7 +20,7 @@ pub const MAX_DURATION: Duration = Duration::from_secs(3600);
     &[
         "lapse demo",
         "lapse demo --orders 150 --duration 5s --json",
-        "lapse demo --orders 10000 --duration 2m --svg /var/tmp/lapse.svg",
+        "lapse demo --orders 10000 --duration 2m --svg big-run.svg",
         "lapse demo --keep",
     ],
     &[
