@@ -42,6 +42,8 @@
 //! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
 //!   and panic message (a leaf: every layer may hold a secret).
 //! - [`telemetry`]: structured logs.
+//! - [`demo`]: `lapse demo` — a realistic run on local services in its own prefix and
+//!   database, with progress, a report and an SVG picture.
 //! - [`cli`]: the command line.
 
 pub mod backoff;
@@ -52,6 +54,7 @@ pub mod close;
 pub mod config;
 pub mod db;
 pub mod deadline;
+pub mod demo;
 pub mod health;
 pub mod http;
 pub mod management;

@@ -2,7 +2,8 @@
 //! [`crate::redact`], so no log line can carry a password.
 //!
 //! Two environment variables, which are not configuration keys:
-//! - `LAPSE_LOG`: the filter (`info` by default; `RUST_LOG` is read when it is unset),
+//! - `LAPSE_LOG`: the filter (`info` by default, `warn` for `lapse demo`; `RUST_LOG` is
+//!   read when it is unset),
 //!   e.g. `warn`, `lapse=debug`, `lapse::relay=trace,info`.
 //! - `LAPSE_LOG_FORMAT`: `text` (default) or `json` (one JSON object per line).
 //!
@@ -76,6 +77,18 @@ impl Settings {
 /// A second call (tests) keeps the first subscriber.
 pub fn try_init() -> Result<(), ConfigError> {
     let settings = Settings::from_vars(|name| std::env::var(name).ok())?;
+    install(&settings);
+    Ok(())
+}
+
+/// Like [`try_init`], with `level` as the filter when neither `LAPSE_LOG` nor
+/// `RUST_LOG` is set.
+pub fn try_init_with_default(level: &str) -> Result<(), ConfigError> {
+    let unset = std::env::var_os(LOG_VAR).is_none() && std::env::var_os("RUST_LOG").is_none();
+    let settings = Settings::from_vars(|name| match name {
+        LOG_VAR if unset => Some(level.to_string()),
+        _ => std::env::var(name).ok(),
+    })?;
     install(&settings);
     Ok(())
 }

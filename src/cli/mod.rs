@@ -7,6 +7,7 @@
 //! be reached. Each command's `--help` ends with examples and its exit statuses.
 
 mod completions;
+mod demo;
 mod failure;
 pub mod help;
 mod order;
@@ -80,6 +81,10 @@ pub enum Command {
     Migrate(order::MigrateArgs),
     /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
     Worker(worker::WorkerArgs),
+    /// Show lapse at work on the local services: thousands of orders with deadlines,
+    /// payments and extensions, closed in-process, with live progress, a report and
+    /// an SVG picture; removes what it created.
+    Demo(demo::DemoArgs),
     /// Queue depths and consumers, overdue orders, outbox, parked messages and recent
     /// closes; `--check` for monitoring, `--watch` for a refreshing view.
     Status(status::StatusArgs),
@@ -120,6 +125,15 @@ pub enum Command {
 }
 
 impl Cli {
+    /// The log level when neither LAPSE_LOG nor RUST_LOG says: `warn` for the demo,
+    /// whose progress and report are its output, `info` for the rest.
+    pub fn default_log_level(&self) -> &'static str {
+        match self.command {
+            Command::Demo(_) => "warn",
+            _ => "info",
+        }
+    }
+
     pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
         match &self.config {
             Some(path) => Config::load(path, true),
@@ -137,6 +151,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Topology { action } => topology::run(&config, action).await,
         Command::Migrate(args) => order::migrate(&config, args).await,
         Command::Worker(args) => worker::run(config, args).await,
+        Command::Demo(args) => demo::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),

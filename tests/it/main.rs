@@ -9,6 +9,7 @@ mod cli_help;
 mod cli_orders;
 mod cli_startup;
 mod config_cli;
+mod demo;
 mod endpoints;
 mod helpers;
 mod hostile_deadlines;

@@ -1,0 +1,167 @@
+//! The demo's own corner of the local services: a unique broker prefix and a fresh
+//! database next to the configured one, provisioned like a deployment (`lapse
+//! migrate`, `lapse topology apply`) and removed afterwards.
+
+use anyhow::Context;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+
+use crate::broker::{self, Endpoint};
+use crate::config::{Config, ConfigError, Secret};
+use crate::db;
+use crate::topology::{self, Topology};
+
+/// The demo's configuration (the user's, with its own prefix and database) and what
+/// it declared.
+pub struct Sandbox {
+    pub config: Config,
+    pub prefix: String,
+    pub database: String,
+    pub topology: Topology,
+    endpoint: Endpoint,
+}
+
+/// `<pid><nanos>` in hex: unique per run on this machine.
+fn suffix() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("{:x}{:x}", std::process::id(), nanos & 0xffff_ffff_ffff)
+}
+
+impl Sandbox {
+    /// `<broker.prefix>-demo-<suffix>` and the database `<name>_demo_<suffix>` on the
+    /// server of `database.url` (which must be a `postgres://` URL).
+    pub fn new(base: &Config) -> Result<Self, ConfigError> {
+        let suffix = suffix();
+        let mut config = base.clone();
+        let prefix = format!("{}-demo-{suffix}", base.broker.prefix);
+        crate::config::validate_prefix(&prefix)?;
+        let bad_url = |problem: &str| ConfigError {
+            key: "database.url".into(),
+            problem: problem.into(),
+        };
+        let mut url = url::Url::parse(base.database.url.expose())
+            .ok()
+            .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
+            .ok_or_else(|| {
+                bad_url(
+                    "`lapse demo` needs a postgres:// URL: it creates its own database on \
+                     the same server",
+                )
+            })?;
+        let own: String = url
+            .path()
+            .trim_start_matches('/')
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .take(40)
+            .collect::<String>()
+            .to_ascii_lowercase();
+        let own = if own.is_empty() { "lapse".into() } else { own };
+        let database = format!("{own}_demo_{suffix}");
+        url.set_path(&format!("/{database}"));
+        config.database.url = Secret::new(url.to_string());
+        config.broker.prefix = prefix.clone();
+        // The demo migrates before it starts the components.
+        config.worker.migrate_on_start = false;
+        let topology = Topology::new(&config.names(), &config.tier_file()?);
+        let endpoint = config.broker.endpoint().map_err(|e| ConfigError {
+            key: "broker.tls".into(),
+            problem: e.to_string(),
+        })?;
+        Ok(Self {
+            config,
+            prefix,
+            database,
+            topology,
+            endpoint,
+        })
+    }
+
+    /// Creates the database and its schema, and declares the topology.
+    pub async fn provision(&self) -> anyhow::Result<()> {
+        db::migrate_with_settings(
+            &self.config.database.url,
+            &db::Settings::from_config(&self.config),
+        )
+        .await?;
+        let conn = self.endpoint.connect("lapse demo").await?;
+        let report = topology::apply(&conn, &self.topology).await;
+        broker::close_quietly(&conn, "done").await;
+        let report = report?;
+        if !report.ok() {
+            anyhow::bail!(
+                "topology apply failed for prefix {}: {:?} {:?}",
+                self.prefix,
+                report.drifts,
+                report.failures
+            );
+        }
+        Ok(())
+    }
+
+    /// Deletes the demo's queues and exchanges and drops its database. Every step is
+    /// tried; the ones that failed are returned.
+    pub async fn remove(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        match self.endpoint.connect("lapse demo cleanup").await {
+            Ok(conn) => {
+                for q in &self.topology.queues {
+                    if let Err(e) = delete_queue(&conn, &q.name).await {
+                        problems.push(format!("queue {}: {e}", q.name));
+                    }
+                }
+                for x in &self.topology.exchanges {
+                    if let Err(e) = delete_exchange(&conn, &x.name).await {
+                        problems.push(format!("exchange {}: {e}", x.name));
+                    }
+                }
+                broker::close_quietly(&conn, "done").await;
+            }
+            Err(e) => problems.push(format!("broker: {e}")),
+        }
+        if let Err(e) = self.drop_database().await {
+            problems.push(format!("database {}: {e:#}", self.database));
+        }
+        problems
+    }
+
+    async fn drop_database(&self) -> anyhow::Result<()> {
+        let mut admin = db::pg_config(&self.config.database.url)?;
+        admin.dbname("postgres");
+        admin.connect_timeout(std::time::Duration::from_secs(5));
+        let (client, connection) = db::connect(&admin).await?;
+        let driver = tokio::spawn(connection);
+        let quoted = format!("\"{}\"", self.database.replace('"', "\"\""));
+        client
+            .batch_execute(&format!("DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
+            .await
+            .context("DROP DATABASE")?;
+        drop(client);
+        let _ = driver.await;
+        Ok(())
+    }
+}
+
+async fn delete_queue(conn: &lapin::Connection, name: &str) -> Result<(), lapin::Error> {
+    let channel = conn.create_channel().await?;
+    match channel
+        .queue_delete(name.into(), QueueDeleteOptions::default())
+        .await
+    {
+        Err(e) if broker::not_found(&e) => Ok(()),
+        other => other.map(|_| ()),
+    }
+}
+
+async fn delete_exchange(conn: &lapin::Connection, name: &str) -> Result<(), lapin::Error> {
+    let channel = conn.create_channel().await?;
+    match channel
+        .exchange_delete(name.into(), ExchangeDeleteOptions::default())
+        .await
+    {
+        Err(e) if broker::not_found(&e) => Ok(()),
+        other => other.map(|_| ()),
+    }
+}
