@@ -11,7 +11,7 @@ use lapse::redact::redact;
 async fn main() -> ExitCode {
     lapse::redact::install_panic_hook();
     let cli = Cli::parse();
-    if let Err(error) = lapse::telemetry::try_init() {
+    if let Err(error) = lapse::observe::telemetry::try_init() {
         eprintln!("error: {}", redact(&error.to_string()));
         return ExitCode::from(ExitStatus::Usage as u8);
     }

@@ -1,7 +1,7 @@
 //! One typed configuration tree: named defaults, then the TOML file, then
 //! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
 //! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys (see
-//! [`crate::telemetry`]).
+//! [`crate::observe::telemetry`]).
 //!
 //! Invariants: every error names the key it is about; credentials (the broker and
 //! database URLs) never appear in `Debug` output or in error messages.
@@ -14,7 +14,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
-use crate::topology::{Names, TierFile};
+use crate::amqp::topology::{Names, TierFile};
 
 /// The file read when `--config` is not given; defaults apply when it is absent.
 pub const DEFAULT_CONFIG_FILE: &str = "lapse.toml";
@@ -353,11 +353,11 @@ impl Config {
 }
 
 /// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
-/// ones ([`crate::telemetry::ENV_VARS`]), which are read by the telemetry setup.
+/// ones ([`crate::observe::telemetry::ENV_VARS`]), which are read by the telemetry setup.
 pub fn env() -> Env {
     Env::prefixed("LAPSE_")
         .filter(|key| {
-            !crate::telemetry::ENV_VARS
+            !crate::observe::telemetry::ENV_VARS
                 .iter()
                 .any(|var| var.strip_prefix("LAPSE_").is_some_and(|v| key == v))
         })
