@@ -5,82 +5,78 @@
 //! of truth.
 //!
 //! # Layout
+//! Domain files sit at the top; adapters, components, plumbing and observability each
+//! have their own directory. Lower layers never import higher ones (see
+//! `docs/architecture.md`, "Layers").
+//!
+//! Domain and shared ground:
 //! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its validation.
 //! - [`tier`]: delay tiers and the rule that picks the next hop for a deadline.
-//! - [`topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
-//! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
-//! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
-//! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
-//! - [`queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
-//! - [`tier_check`]: whether the wait queues a publish is about to use exist.
-//! - [`redelivery`]: lapse's own bound on giving a message back to its queue.
-//! - [`management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
-//! - [`db`]: PostgreSQL pools, database creation, migrations (`migrations/`).
 //! - [`deadline`]: what a deadline may be (range, rounding up, checked durations).
-//! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
 //! - [`message`]: the timeout message, its encoding and its next route.
-//! - [`parked`]: `lapse parked` — list, show, replay and purge parked messages without losing one.
-//! - [`close`]: the one guarded close path, shared by worker and sweeper.
+//! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
+//! - [`close`]: the one guarded close path, shared by the consumer and the sweeper.
 //! - [`timeline`]: the one writer of hop events on an order's timeline.
-//! - [`worker`]: the due-queue consumer: its decision table, the pure plan of each
-//!   delivery, and their execution.
-//! - [`relay`]: outbox -> broker with publisher confirms.
-//! - [`releaser`]: stock-release events -> ledger and stock, idempotently.
-//! - [`sweeper`]: the backstop scan of overdue UNPAID orders.
-//! - [`reconciler`]: re-emits stock releases lost after a close (run by the sweeper's leader).
-//! - [`service`]: `lapse worker` — starts the components under the supervisor.
-//! - [`supervisor`]: restarts failed components with back-off; stops on a fatal failure.
-//! - [`batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
-//! - [`rate`], [`backoff`]: the closes-per-second bucket; retry pacing and jittered reconnects.
-//! - [`stats`]: outcome counters and the lateness histogram.
-//! - [`metric_catalog`]: every exported metric's name, help text and buckets.
-//! - [`health`], [`http`], [`readiness`]: component health and liveness, and the
-//!   `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
-//! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
-//!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
-//! - [`shutdown`]: the root cancellation token (SIGINT/SIGTERM).
+//! - [`db`]: the order store: PostgreSQL pools, database creation, migrations (`migrations/`).
 //! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
 //!   and panic message (a leaf: every layer may hold a secret).
-//! - [`telemetry`]: structured logs.
+//!
+//! [`amqp`] — the broker adapters:
+//! - [`amqp::broker`]: connections, argument tables, publishing with confirms (bounded by a timeout).
+//! - [`amqp::publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`amqp::batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
+//! - [`amqp::topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
+//! - [`amqp::tier_check`]: whether the wait queues a publish is about to use exist.
+//! - [`amqp::management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
+//! - [`amqp::tls`]: certificate verification and client certificates for `amqps://` and `https://`.
+//!
+//! [`components`] — what `lapse worker` runs:
+//! - [`components::consumer`]: the due-queue consumer: its decision table, the pure plan of
+//!   each delivery, and their execution.
+//! - [`components::relay`]: outbox -> broker with publisher confirms.
+//! - [`components::releaser`]: stock-release events -> ledger and stock, idempotently.
+//! - [`components::sweeper`]: the backstop scan of overdue UNPAID orders.
+//! - [`components::reconciler`]: re-emits stock releases lost after a close (run by the
+//!   sweeper's leader).
+//! - [`components::redelivery`]: lapse's own bound on giving a message back to its queue.
+//! - [`components::queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
+//!
+//! [`runtime`] — process plumbing:
+//! - [`runtime::service`]: `lapse worker` — starts the components under the supervisor.
+//! - [`runtime::supervisor`]: restarts failed components with back-off; stops on a fatal failure.
+//! - [`runtime::rate`], [`runtime::backoff`]: the closes-per-second bucket; retry pacing and
+//!   jittered reconnects.
+//! - [`runtime::health`], [`runtime::readiness`]: component health and liveness; readiness.
+//! - [`runtime::shutdown`]: the root cancellation token (SIGINT/SIGTERM).
+//!
+//! [`observe`] — what lapse tells the outside:
+//! - [`observe::telemetry`]: structured logs.
+//! - [`observe::metric_catalog`]: every exported metric's name, help text and buckets.
+//! - [`observe::stats`]: outcome counters and the lateness histogram.
+//! - [`observe::http`]: the `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
+//!
+//! Commands:
+//! - [`cli`]: the command line, one file per command.
 //! - [`demo`]: `lapse demo` — a realistic run on local services in its own prefix and
 //!   database, with progress, a report and an SVG picture.
-//! - [`cli`]: the command line.
+//! - [`parked`]: `lapse parked` — list, show, replay and purge parked messages without losing one.
+//! - [`status`]: `lapse status` — depths and consumers, overdue orders, outbox, recent
+//!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 
-pub mod backoff;
-pub mod batch;
-pub mod broker;
+pub mod amqp;
 pub mod cli;
 pub mod close;
+pub mod components;
 pub mod config;
 pub mod db;
 pub mod deadline;
 pub mod demo;
-pub mod health;
-pub mod http;
-pub mod management;
 pub mod message;
-pub mod metric_catalog;
+pub mod observe;
 pub mod orders;
 pub mod parked;
-pub mod publishing;
-pub mod queue_gauges;
-pub mod rate;
-pub mod readiness;
-pub mod reconciler;
 pub mod redact;
-pub mod redelivery;
-pub mod relay;
-pub mod releaser;
-pub mod service;
-pub mod shutdown;
-pub mod stats;
+pub mod runtime;
 pub mod status;
-pub mod supervisor;
-pub mod sweeper;
-pub mod telemetry;
 pub mod tier;
-pub mod tier_check;
 pub mod timeline;
-pub mod tls;
-pub mod topology;
-pub mod worker;

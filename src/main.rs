@@ -11,7 +11,7 @@ use lapse::redact::redact;
 async fn main() -> ExitCode {
     lapse::redact::install_panic_hook();
     let cli = Cli::parse();
-    if let Err(error) = lapse::telemetry::try_init_with_default(cli.default_log_level()) {
+    if let Err(error) = lapse::observe::telemetry::try_init_with_default(cli.default_log_level()) {
         eprintln!("error: {}", redact(&error.to_string()));
         return ExitCode::from(ExitStatus::Usage as u8);
     }

@@ -10,8 +10,8 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use serde::{Deserialize, Serialize};
 
+use crate::amqp::topology::{DUE_ROUTING_KEY, Names};
 use crate::tier::{NextHop, Tier, TierSet};
-use crate::topology::{DUE_ROUTING_KEY, Names};
 
 pub const MESSAGE_VERSION: u32 = 1;
 /// Header set on messages the worker parks.

@@ -16,9 +16,9 @@ use lapin::types::FieldTable;
 use serde::Serialize;
 use tokio_postgres::GenericClient;
 
-use crate::broker::BrokerError;
+use crate::amqp::broker::BrokerError;
+use crate::amqp::topology::{QueueRole, Topology};
 use crate::db::{DbError, column};
-use crate::topology::{QueueRole, Topology};
 
 #[derive(Debug, Serialize)]
 pub struct QueueDepth {
@@ -103,7 +103,7 @@ pub async fn collect_with_grace<C: GenericClient>(
                 let _ = channel.close(200, "done".into()).await;
                 (Some(found.message_count()), Some(found.consumer_count()))
             }
-            Err(e) if crate::broker::not_found(&e) => (None, None),
+            Err(e) if crate::amqp::broker::not_found(&e) => (None, None),
             Err(e) => return Err(BrokerError::amqp("queue.declare")(e).into()),
         };
         queues.push(QueueDepth {
@@ -151,7 +151,7 @@ pub async fn collect_with_grace<C: GenericClient>(
         .await
         .map_err(DbError::from)?;
     let (recent_release_repairs, release_repairs_total) =
-        crate::reconciler::repairs(db, RECENT_MINUTES).await?;
+        crate::components::reconciler::repairs(db, RECENT_MINUTES).await?;
     let grace_ms = i64::try_from(release_grace.as_millis()).unwrap_or(i64::MAX);
     // Served by the small partial index `orders_unreleased`.
     let missing = db
@@ -161,7 +161,7 @@ pub async fn collect_with_grace<C: GenericClient>(
                FROM orders
               WHERE status = 'CLOSED' AND released_at IS NULL
                 AND closed_at < now() - $1::bigint * interval '1 millisecond'",
-            &[&grace_ms, &crate::reconciler::MAX_REPAIRS],
+            &[&grace_ms, &crate::components::reconciler::MAX_REPAIRS],
         )
         .await
         .map_err(DbError::from)?;

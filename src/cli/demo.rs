@@ -72,7 +72,7 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 pub async fn run(config: Config, args: DemoArgs) -> anyhow::Result<ExitStatus> {
-    let token = crate::shutdown::on_signal();
+    let token = crate::runtime::shutdown::on_signal();
     let options = Options {
         orders: args.orders,
         duration: args.run_time,

@@ -5,11 +5,11 @@
 use lapin::ErrorKind;
 
 use super::ExitStatus;
-use crate::backoff::SessionError;
-use crate::broker::BrokerError;
+use crate::amqp::broker::BrokerError;
+use crate::amqp::management::ManagementError;
 use crate::config::ConfigError;
-use crate::management::ManagementError;
 use crate::redact::redact;
+use crate::runtime::backoff::SessionError;
 
 /// The exit status and the one-line message (credentials already masked).
 #[derive(Debug, PartialEq, Eq)]
@@ -56,7 +56,7 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     if let Some(e) = cause.downcast_ref::<ConfigError>() {
         return Some(Failure::new(ExitStatus::Usage, e.to_string()));
     }
-    if let Some(e) = cause.downcast_ref::<crate::tls::TlsError>() {
+    if let Some(e) = cause.downcast_ref::<crate::amqp::tls::TlsError>() {
         return Some(Failure::new(
             ExitStatus::Usage,
             format!("invalid configuration: broker.tls: {e}"),

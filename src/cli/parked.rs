@@ -313,8 +313,8 @@ fn text(value: &serde_json::Value) -> String {
     }
 }
 
-fn unavailable(e: anyhow::Error) -> crate::broker::BrokerError {
-    crate::broker::BrokerError::Unavailable {
+fn unavailable(e: anyhow::Error) -> crate::amqp::broker::BrokerError {
+    crate::amqp::broker::BrokerError::Unavailable {
         reason: e.to_string(),
     }
 }

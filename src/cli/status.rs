@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use super::{ExitStatus, print_json};
-use crate::broker::{self, BrokerError, Endpoint};
+use crate::amqp::broker::{self, BrokerError, Endpoint};
+use crate::amqp::topology::{Topology, VerifyReport};
 use crate::config::Config;
 use crate::db::DbError;
 use crate::redact::redact;
 use crate::status::check::{Problem, Thresholds, problems};
 use crate::status::watch::Drain;
 use crate::status::{Status, StatusError};
-use crate::topology::{Topology, VerifyReport};
 
 #[derive(Debug, Args)]
 #[command(after_help = super::help::after(
@@ -185,7 +185,7 @@ impl Sources<'_> {
         };
         let report = if drift {
             let vhost = broker::vhost(&self.config.broker.url);
-            match crate::topology::verify(conn, None, &vhost, &self.topology).await {
+            match crate::amqp::topology::verify(conn, None, &vhost, &self.topology).await {
                 Ok(report) => Some(report),
                 Err(e) => return Err(Failure::Unreachable(vec![self.broker_down(&e)])),
             }
@@ -302,7 +302,7 @@ async fn once(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<Ex
 /// Refreshes until SIGINT/SIGTERM; a refresh that cannot reach a source says so and
 /// the next one tries again.
 async fn watch(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<ExitStatus> {
-    let token = crate::shutdown::on_signal();
+    let token = crate::runtime::shutdown::on_signal();
     let terminal = std::io::stdout().is_terminal();
     let mut drain = Drain::default();
     let mut ticker = tokio::time::interval(args.interval);

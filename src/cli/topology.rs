@@ -4,10 +4,10 @@ use anyhow::Context;
 use clap::Subcommand;
 
 use super::{ExitStatus, help, print_json};
-use crate::broker;
+use crate::amqp::broker;
+use crate::amqp::management::Management;
+use crate::amqp::topology::{self, Topology};
 use crate::config::Config;
-use crate::management::Management;
-use crate::topology::{self, Topology};
 
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {

@@ -15,11 +15,11 @@ use clap::Args;
 use super::{ExitStatus, help};
 use crate::config::Config;
 use crate::db;
-use crate::http;
-use crate::service::Service;
-use crate::shutdown;
-use crate::stats::Stats;
-use crate::supervisor::Stop;
+use crate::observe::http;
+use crate::observe::stats::Stats;
+use crate::runtime::service::Service;
+use crate::runtime::shutdown;
+use crate::runtime::supervisor::Stop;
 
 #[derive(Debug, Args)]
 #[command(after_help = help::after(
@@ -89,7 +89,7 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     let mut service = Service::start(&config, stats.clone(), token.clone()).await?;
     if let Some((listener, metrics)) = endpoint {
         let health = service.health();
-        let readiness = crate::readiness::Readiness::from_config(&config);
+        let readiness = crate::runtime::readiness::Readiness::from_config(&config);
         service.supervise(
             "http",
             Box::new(move |t| {

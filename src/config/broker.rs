@@ -9,8 +9,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use super::{BrokerConfig, ConfigError};
-use crate::broker::Endpoint;
-use crate::tls::{TlsError, TlsFiles};
+use crate::amqp::broker::Endpoint;
+use crate::amqp::tls::{TlsError, TlsFiles};
 
 impl BrokerConfig {
     /// The broker as the `[broker]` section describes it: URL, `tls.*` files (read

@@ -1,20 +1,18 @@
 //! One typed configuration tree: named defaults, then the TOML file, then
 //! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
 //! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys (see
-//! [`crate::telemetry`]).
+//! [`crate::observe::telemetry`]).
 //!
 //! Invariants: every error names the key it is about; credentials (the broker and
 //! database URLs) never appear in `Debug` output or in error messages.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
-use crate::topology::{Names, TierFile};
+use crate::amqp::topology::{Names, TierFile};
 
 /// The file read when `--config` is not given; defaults apply when it is absent.
 pub const DEFAULT_CONFIG_FILE: &str = "lapse.toml";
@@ -37,6 +35,7 @@ impl ConfigError {
 }
 
 pub use crate::redact::Secret;
+pub use load::env;
 pub use moved::{MOVED_KEYS, moved_keys};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -270,30 +269,6 @@ impl Default for Config {
 }
 
 impl Config {
-    /// Loads defaults, then `file` (required to exist when `explicit`), then the
-    /// environment, and validates the result.
-    pub fn load(file: &Path, explicit: bool) -> Result<Self, ConfigError> {
-        if explicit && !file.is_file() {
-            return Err(ConfigError::new(
-                "--config",
-                format!("no such file: {}", file.display()),
-            ));
-        }
-        let user = Figment::new().merge(Toml::file(file)).merge(env());
-        let (user, warnings) = moved_keys(user);
-        for warning in &warnings {
-            tracing::warn!("{warning}");
-        }
-        let figment = Figment::from(Serialized::defaults(Config::default())).merge(user);
-        Self::from_figment(figment)
-    }
-
-    pub fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
-        let config: Config = figment.extract().map_err(figment_error)?;
-        config.validate()?;
-        Ok(config)
-    }
-
     /// Checks what the types cannot: URLs, the prefix, the tier file, ranges.
     pub fn validate(&self) -> Result<(), ConfigError> {
         broker::validate(&self.broker)?;
@@ -352,18 +327,6 @@ impl Config {
     }
 }
 
-/// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
-/// ones ([`crate::telemetry::ENV_VARS`]), which are read by the telemetry setup.
-pub fn env() -> Env {
-    Env::prefixed("LAPSE_")
-        .filter(|key| {
-            !crate::telemetry::ENV_VARS
-                .iter()
-                .any(|var| var.strip_prefix("LAPSE_").is_some_and(|v| key == v))
-        })
-        .split("__")
-}
-
 fn positive(key: &str, value: u64) -> Result<(), ConfigError> {
     if value == 0 {
         return Err(ConfigError::new(key, "must be at least 1"));
@@ -397,51 +360,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn figment_error(error: figment::Error) -> ConfigError {
-    use figment::error::Kind;
-    let mut path = error.path.clone();
-    let problem = match &error.kind {
-        Kind::UnknownField(field, _) => {
-            if path.last() != Some(field) {
-                path.push(field.clone());
-            }
-            "unknown key".to_string()
-        }
-        Kind::MissingField(field) => {
-            if path.last().map(String::as_str) != Some(field.as_ref()) {
-                path.push(field.to_string());
-            }
-            "missing key".to_string()
-        }
-        kind => without_source_lines(&kind.to_string()),
-    };
-    let key = if path.is_empty() {
-        "(top level)".to_string()
-    } else {
-        path.join(".")
-    };
-    ConfigError::new(key, crate::redact::redact(&problem))
-}
-
-/// A parser's message without the source excerpt it quotes (`2 | url = "..."` and
-/// its caret line): the offending line may hold a password, and the line and column
-/// numbers already say where the problem is.
-fn without_source_lines(message: &str) -> String {
-    let is_excerpt = |line: &str| {
-        let t = line.trim_start();
-        let digits = t.trim_start_matches(|c: char| c.is_ascii_digit());
-        t.is_empty()
-            || t.starts_with('|')
-            || (digits.len() < t.len() && digits.trim_start().starts_with('|'))
-    };
-    message
-        .lines()
-        .filter(|line| !is_excerpt(line))
-        .map(str::trim)
-        .collect::<Vec<_>>()
-        .join(": ")
-}
-
+mod load;
 mod moved;
 mod timing;
 

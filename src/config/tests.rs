@@ -2,8 +2,11 @@
 // figment's Jail closures return its (large) error type by design.
 #![allow(clippy::result_large_err)]
 
+use std::path::Path;
+
 use super::*;
-use figment::Jail;
+use figment::providers::{Format, Toml};
+use figment::{Figment, Jail};
 
 /// Loads as `lapse` does without `--config`, in the jail's working directory.
 fn load() -> Result<Config, ConfigError> {

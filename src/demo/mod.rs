@@ -25,10 +25,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::db;
+use crate::observe::stats::Stats;
 use crate::orders;
-use crate::service::Service;
-use crate::stats::Stats;
-use crate::supervisor::Stop;
+use crate::runtime::service::Service;
+use crate::runtime::supervisor::Stop;
 use progress::{Display, Progress};
 use report::{Lateness, Report};
 use sandbox::Sandbox;
@@ -153,7 +153,7 @@ async fn run_in(
 }
 
 /// Waits (at most 30 s) until the components that hold broker connections are up.
-async fn ready(health: &crate::health::Health, token: &CancellationToken) {
+async fn ready(health: &crate::runtime::health::Health, token: &CancellationToken) {
     let limit = Instant::now() + Duration::from_secs(30);
     while Instant::now() < limit && !token.is_cancelled() {
         let snapshot = health.snapshot();

@@ -12,9 +12,9 @@ use lapin::options::QueueDeclareOptions;
 use tokio_util::sync::CancellationToken;
 
 use super::workload::Counters;
-use crate::broker::Endpoint;
+use crate::amqp::broker::Endpoint;
+use crate::amqp::topology::Names;
 use crate::tier::TierSet;
-use crate::topology::Names;
 
 /// How progress is shown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,7 +108,7 @@ impl Progress {
             bar.finish_and_clear();
         }
         if let Some(conn) = conn {
-            crate::broker::close_quietly(&conn, "done").await;
+            crate::amqp::broker::close_quietly(&conn, "done").await;
         }
     }
 

@@ -5,10 +5,10 @@
 use anyhow::Context;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 
-use crate::broker::{self, Endpoint};
+use crate::amqp::broker::{self, Endpoint};
+use crate::amqp::topology::{self, Topology};
 use crate::config::{Config, ConfigError, Secret};
 use crate::db;
-use crate::topology::{self, Topology};
 
 /// The demo's configuration (the user's, with its own prefix and database) and what
 /// it declared.

@@ -29,15 +29,15 @@ pub use route::Router;
 use lapin::message::Delivery;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 
-use crate::batch::ack;
+use crate::amqp::batch::ack;
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ErrorKind};
 use serde::Serialize;
 
-use crate::broker::{self, BrokerError, Endpoint, Publisher};
-use crate::publishing::Outgoing;
-use crate::topology::Names;
+use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher};
+use crate::amqp::publishing::Outgoing;
+use crate::amqp::topology::Names;
 
 /// Messages read, published and acknowledged together.
 const CHUNK: usize = 100;

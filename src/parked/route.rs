@@ -16,12 +16,12 @@ use lapin::types::ShortString;
 use lapin::{BasicProperties, Connection};
 
 use super::{Entry, Kind};
-use crate::broker::BrokerError;
+use crate::amqp::broker::BrokerError;
+use crate::amqp::publishing::Outgoing;
+use crate::amqp::tier_check::TierCheck;
+use crate::amqp::topology::{Names, STOCK_RELEASE_ROUTING_KEY};
 use crate::message::Route;
-use crate::publishing::Outgoing;
 use crate::tier::{Tier, TierSet};
-use crate::tier_check::TierCheck;
-use crate::topology::{Names, STOCK_RELEASE_ROUTING_KEY};
 
 /// Chooses replay destinations.
 pub struct Router {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::Status;
-use crate::topology::{CheckStatus, VerifyReport};
+use crate::amqp::topology::{CheckStatus, VerifyReport};
 
 /// What counts as a problem; the defaults suit a worker under normal load.
 #[derive(Clone, Copy, Debug)]

@@ -8,11 +8,11 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use lapse::broker::{BrokerError, Publisher};
+use lapse::amqp::broker::{BrokerError, Publisher};
 use lapse::config::Secret;
+use lapse::observe::stats::Stats;
 use lapse::orders::Line;
-use lapse::service::Service;
-use lapse::stats::Stats;
+use lapse::runtime::service::Service;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};
@@ -30,9 +30,11 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
     let env = TestEnv::with_database(&["1s", "5s"]).await;
     let rabbit = tokio::task::block_in_place(PrivateRabbit::start);
     let url = Secret::new(rabbit.amqp_url());
-    let conn = lapse::broker::connect(&url, "lapse test").await.unwrap();
+    let conn = lapse::amqp::broker::connect(&url, "lapse test")
+        .await
+        .unwrap();
     assert!(
-        lapse::topology::apply(&conn, &env.topology())
+        lapse::amqp::topology::apply(&conn, &env.topology())
             .await
             .unwrap()
             .ok()
@@ -163,7 +165,7 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
 async fn a_confirm_that_never_comes_ends_in_a_timeout_not_a_hang() {
     crate::helpers::init_logs();
     let rabbit = tokio::task::block_in_place(PrivateRabbit::start);
-    let conn = lapse::broker::connect(&Secret::new(rabbit.amqp_url()), "lapse test")
+    let conn = lapse::amqp::broker::connect(&Secret::new(rabbit.amqp_url()), "lapse test")
         .await
         .unwrap();
     let channel = conn.create_channel().await.unwrap();
@@ -197,7 +199,7 @@ async fn a_confirm_that_never_comes_ends_in_a_timeout_not_a_hang() {
         "{outcome:?}"
     );
     let batch = vec![
-        lapse::broker::Outgoing::new(
+        lapse::amqp::broker::Outgoing::new(
             "",
             "confirm-timeout",
             b"x".to_vec(),

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::QueuePurgeOptions;
+use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Line, OrderId, PayOutcome};
-use lapse::stats::Outcome;
 
 use crate::helpers::{
     TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
@@ -104,7 +104,7 @@ async fn intents_survive_a_dead_relay_and_a_broker_refusing_publishes() {
         .await
         .unwrap();
     assert!(
-        lapse::topology::apply(&env.conn, &env.topology())
+        lapse::amqp::topology::apply(&env.conn, &env.topology())
             .await
             .unwrap()
             .ok()
@@ -346,11 +346,11 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     // (its duration, which a loaded machine stretches).
     config.stuck_outbox_after = Duration::from_millis(700);
     config.batch_size = 7; // several keyset pages
-    let sweeper = lapse::sweeper::Sweeper {
+    let sweeper = lapse::components::sweeper::Sweeper {
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config,
-        limiter: lapse::rate::RateLimiter::new(0),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
     };
     // Another sweeper holds the leader lock: this one does nothing.
@@ -358,7 +358,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     other
         .execute(
             "SELECT pg_advisory_lock($1)",
-            &[&lapse::sweeper::LEADER_LOCK],
+            &[&lapse::components::sweeper::LEADER_LOCK],
         )
         .await
         .unwrap();
@@ -368,7 +368,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     other
         .execute(
             "SELECT pg_advisory_unlock($1)",
-            &[&lapse::sweeper::LEADER_LOCK],
+            &[&lapse::components::sweeper::LEADER_LOCK],
         )
         .await
         .unwrap();

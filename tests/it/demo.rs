@@ -7,9 +7,9 @@
 
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
+use lapse::amqp::management::Management;
+use lapse::amqp::topology::{Names, TierFile};
 use lapse::config::Secret;
-use lapse::management::Management;
-use lapse::topology::{Names, TierFile};
 use serde_json::Value;
 
 use crate::helpers::{
@@ -86,7 +86,7 @@ impl Demo {
     /// and drops its databases.
     async fn remove(&self) {
         let (queues, databases) = self.leftovers().await;
-        let conn = lapse::broker::connect(&Secret::new(amqp_url()), "lapse test cleanup")
+        let conn = lapse::amqp::broker::connect(&Secret::new(amqp_url()), "lapse test cleanup")
             .await
             .unwrap();
         let mut prefixes: Vec<String> = queues
@@ -171,7 +171,7 @@ fn objects(prefix: &str) -> (Vec<String>, Vec<String>) {
 
 /// Which of a prefix's queues and exchanges exist, by passive declares.
 async fn existing(prefix: &str) -> Vec<String> {
-    let conn = lapse::broker::connect(&Secret::new(amqp_url()), "lapse test check")
+    let conn = lapse::amqp::broker::connect(&Secret::new(amqp_url()), "lapse test check")
         .await
         .unwrap();
     let (queues, exchanges) = objects(prefix);

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use std::time::{Duration, Instant};
 
+use lapse::amqp::management::Management;
+use lapse::amqp::topology::{Names, TierFile, Topology};
 use lapse::config::{Config, Secret};
-use lapse::management::Management;
+use lapse::observe::stats::Stats;
 use lapse::orders::{self, Deadline, Line, OrderId};
-use lapse::service::Service;
-use lapse::stats::Stats;
-use lapse::topology::{Names, TierFile, Topology};
+use lapse::runtime::service::Service;
 use tokio_util::sync::CancellationToken;
 
 pub fn amqp_url() -> String {
@@ -65,7 +65,7 @@ pub fn free_port() -> u16 {
 
 pub fn init_logs() {
     if std::env::var("TEST_LOG").is_ok() {
-        lapse::telemetry::init();
+        lapse::observe::telemetry::init();
     }
 }
 
@@ -104,7 +104,7 @@ impl TestEnv {
         let env = Self {
             prefix,
             dir,
-            conn: lapse::broker::connect(&Secret::new(amqp_url()), "lapse test")
+            conn: lapse::amqp::broker::connect(&Secret::new(amqp_url()), "lapse test")
                 .await
                 .expect("RabbitMQ must be running (scripts/services.sh starts it)"),
             management: Management::new(&Secret::new(management_url())).unwrap(),
@@ -124,7 +124,7 @@ impl TestEnv {
         lapse::db::migrate(&Secret::new(env.database_url()))
             .await
             .expect("PostgreSQL must be running (scripts/services.sh starts it)");
-        let report = lapse::topology::apply(&env.conn, &env.topology())
+        let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
             .await
             .unwrap();
         assert!(report.ok(), "{report:?}");
@@ -308,9 +308,10 @@ impl Drop for TestEnv {
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async move {
-                let conn = lapse::broker::connect(&Secret::new(amqp_url()), "lapse test cleanup")
-                    .await
-                    .unwrap();
+                let conn =
+                    lapse::amqp::broker::connect(&Secret::new(amqp_url()), "lapse test cleanup")
+                        .await
+                        .unwrap();
                 let env = TestEnv {
                     prefix,
                     dir: tempfile::tempdir().unwrap(),
@@ -362,7 +363,7 @@ pub async fn drop_database(name: &str) {
 pub struct Running {
     pub token: CancellationToken,
     pub stats: Stats,
-    join: tokio::task::JoinHandle<lapse::service::Stopped>,
+    join: tokio::task::JoinHandle<lapse::runtime::service::Stopped>,
 }
 
 impl Running {

@@ -8,10 +8,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
-use lapse::broker::Publisher;
+use lapse::amqp::broker::Publisher;
 use lapse::message::park_reason;
+use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
-use lapse::stats::Outcome;
 use serde_json::Value;
 
 use crate::helpers::{TestEnv, count, create_orders, eventually, stderr, stdout};
@@ -65,17 +65,17 @@ async fn the_relay_parks_an_outbox_payload_that_is_not_a_timeout_intent() {
     .await
     .unwrap();
     let config = env.config();
-    let relay = lapse::relay::Relay::new(
+    let relay = lapse::components::relay::Relay::new(
         &config,
         lapse::db::pool(&env.config().database, 2).unwrap(),
         config.tier_file().unwrap().tiers,
-        lapse::stats::Stats::default(),
+        lapse::observe::stats::Stats::default(),
     );
     let publisher = Publisher::new(&env.conn).await.unwrap();
     let outcome = relay.run_once(&env.conn, &publisher).await.unwrap();
     assert_eq!(
         outcome,
-        lapse::relay::RelayOutcome::Published {
+        lapse::components::relay::RelayOutcome::Published {
             sent: 5,
             refused: 0,
             returned: 0,
@@ -112,11 +112,11 @@ async fn the_sweeper_skips_rows_it_cannot_handle_and_keeps_sweeping() {
     let mut config = env.config().sweeper;
     config.grace = Duration::from_millis(50);
     config.batch_size = 1; // the unreadable rows come first: pagination must pass them
-    let sweeper = lapse::sweeper::Sweeper {
+    let sweeper = lapse::components::sweeper::Sweeper {
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config,
-        limiter: lapse::rate::RateLimiter::new(0),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
     };
     for _ in 0..2 {

@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
+use lapse::components::sweeper::Sweeper;
 use lapse::db::DbError;
+use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Line, OrderId, PayOutcome};
-use lapse::stats::Outcome;
-use lapse::sweeper::Sweeper;
 
 use crate::helpers::{TestEnv, count, create_orders, eventually, wait_released};
 use crate::queues;
@@ -36,9 +36,9 @@ fn sweeper(env: &TestEnv, batch_size: i64) -> Sweeper {
     config.batch_size = batch_size;
     Sweeper {
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config,
-        limiter: lapse::rate::RateLimiter::new(0),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
     }
 }

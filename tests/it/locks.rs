@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
-use lapse::stats::Outcome;
 
 use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};
 
@@ -148,11 +148,11 @@ async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
     let mut config = env.config();
     config.sweeper.grace = Duration::from_millis(50);
     config.sweeper.batch_size = 7; // the locked row falls inside a keyset page
-    let sweeper = lapse::sweeper::Sweeper {
+    let sweeper = lapse::components::sweeper::Sweeper {
         pool: lapse::db::pool(&config.database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config: config.sweeper.clone(),
-        limiter: lapse::rate::RateLimiter::new(0),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: config.database.lock_timeout,
     };
     let holder = env.db().await;

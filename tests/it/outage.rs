@@ -5,8 +5,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use lapse::config::Secret;
+use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Deadline, Line};
-use lapse::stats::Outcome;
 
 use crate::helpers::{TestEnv, assert_never_early, count, eventually, wait_released};
 use crate::private_pg::PrivatePostgres;
@@ -25,7 +25,7 @@ async fn a_database_outage_loses_nothing_and_work_resumes_on_its_own() {
     let pg = PrivatePostgres::start(crate::helpers::free_port());
     let url = pg.url("lapse");
     lapse::db::migrate(&Secret::new(url.clone())).await.unwrap();
-    lapse::topology::apply(&env.conn, &env.topology())
+    lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
     let mut config = env.config();

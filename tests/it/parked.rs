@@ -8,7 +8,7 @@ use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, BasicRejectOptions};
 use serde_json::Value;
 
-use lapse::broker::Publisher;
+use lapse::amqp::broker::Publisher;
 use lapse::message::{TimeoutMessage, parked_properties};
 
 use crate::helpers::{TestEnv, eventually, management_url, stderr, stdout};
@@ -51,7 +51,7 @@ pub(crate) fn list(env: &TestEnv) -> Vec<Value> {
 
 pub(crate) async fn applied(tiers: &[&str]) -> TestEnv {
     let env = TestEnv::new(tiers).await;
-    let report = lapse::topology::apply(&env.conn, &env.topology())
+    let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
     assert!(report.ok(), "{report:?}");
@@ -60,7 +60,7 @@ pub(crate) async fn applied(tiers: &[&str]) -> TestEnv {
 
 /// Sets (or with `None` deletes) a `delivery-limit` policy on the parked queue.
 async fn parked_delivery_limit(env: &TestEnv, limit: Option<i64>) {
-    let http = lapse::tls::TlsFiles::default()
+    let http = lapse::amqp::tls::TlsFiles::default()
         .http_client()
         .unwrap()
         .build()
@@ -100,7 +100,7 @@ async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable
  {
     let env = TestEnv::new(&["1s", "1m"]).await;
     env.write_tiers(&["1s", "1m"], "delivery_limit = 1");
-    let report = lapse::topology::apply(&env.conn, &env.topology())
+    let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
     assert!(report.ok(), "{report:?}");
@@ -251,7 +251,7 @@ async fn purge_asks_for_yes_and_removes_only_the_selected() {
     );
 
     // One pass at a time: while another holds the lock, a command refuses and waits for nothing.
-    let other = lapse::broker::connect(
+    let other = lapse::amqp::broker::connect(
         &lapse::config::Secret::new(crate::helpers::amqp_url()),
         "another operator",
     )

@@ -39,7 +39,7 @@ async fn a_replay_to_a_missing_tier_stays_parked_until_the_tier_is_back() {
     let unknown = env.lapse(&["parked", "replay", "timeout-8-v1"]);
     assert_eq!(unknown.status.code(), Some(1));
 
-    let report = lapse::topology::apply(&env.conn, &env.topology())
+    let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
     assert!(report.ok());
@@ -215,14 +215,16 @@ async fn a_pass_during_a_broker_alarm_stops_and_loses_nothing() {
     let env = TestEnv::new(&["1s"]).await;
     let rabbit = tokio::task::block_in_place(crate::private_rabbit::PrivateRabbit::start);
     let url = lapse::config::Secret::new(rabbit.amqp_url());
-    let conn = lapse::broker::connect(&url, "lapse test").await.unwrap();
+    let conn = lapse::amqp::broker::connect(&url, "lapse test")
+        .await
+        .unwrap();
     assert!(
-        lapse::topology::apply(&conn, &env.topology())
+        lapse::amqp::topology::apply(&conn, &env.topology())
             .await
             .unwrap()
             .ok()
     );
-    let publisher = lapse::broker::Publisher::new(&conn).await.unwrap();
+    let publisher = lapse::amqp::broker::Publisher::new(&conn).await.unwrap();
     let expire_at = Utc::now() + chrono::Duration::minutes(10);
     for order in [1, 2] {
         let props = lapse::message::parked_properties(&Default::default(), "database unavailable");

@@ -7,11 +7,11 @@ use futures_util::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
-use lapse::broker::Publisher;
+use lapse::amqp::broker::Publisher;
+use lapse::amqp::topology::DUE_ROUTING_KEY;
 use lapse::message::{TimeoutMessage, park_reason};
+use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Line};
-use lapse::stats::Outcome;
-use lapse::topology::DUE_ROUTING_KEY;
 
 use crate::helpers::{
     TestEnv, assert_never_early, count, create_orders, eventually, wait_released,

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
+use lapse::observe::stats::Outcome;
 use lapse::orders::{Line, OrderId};
-use lapse::stats::Outcome;
 
 use crate::helpers::{
     TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
@@ -21,7 +21,7 @@ fn line() -> Vec<Line> {
 }
 
 async fn reapply(env: &TestEnv) {
-    let report = lapse::topology::apply(&env.conn, &env.topology())
+    let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
     assert!(report.ok(), "{report:?}");

@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use lapse::health::Health;
+use lapse::components::sweeper::Sweeper;
 use lapse::orders::Line;
-use lapse::sweeper::Sweeper;
+use lapse::runtime::health::Health;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestEnv, count, create_orders, eventually};
@@ -16,9 +16,9 @@ use crate::release_repair::closed_with_releases_queued;
 fn sweeper(env: &TestEnv, per_second: u32) -> Sweeper {
     Sweeper {
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config: env.config().sweeper,
-        limiter: lapse::rate::RateLimiter::new(per_second),
+        limiter: lapse::runtime::rate::RateLimiter::new(per_second),
         lock_timeout: Duration::from_secs(5),
     }
 }

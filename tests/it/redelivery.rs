@@ -8,16 +8,16 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapse::broker::Endpoint;
+use lapse::amqp::broker::Endpoint;
+use lapse::amqp::publishing::PublishingConnection;
+use lapse::amqp::topology::ArgValue;
+use lapse::amqp::topology::field_table;
+use lapse::components::redelivery::{self, GiveBack, ReturnLimit};
 use lapse::config::Secret;
-use lapse::health::Health;
 use lapse::message::park_reason;
+use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
-use lapse::publishing::PublishingConnection;
-use lapse::redelivery::{self, GiveBack, ReturnLimit};
-use lapse::stats::Outcome;
-use lapse::topology::ArgValue;
-use lapse::topology::field_table;
+use lapse::runtime::health::Health;
 
 use crate::helpers::{TestEnv, amqp_url, assert_never_early, count, create_orders, eventually};
 
@@ -59,7 +59,7 @@ async fn a_tier_refusing_redelays_never_spends_a_delivery_and_parks_nothing() {
     }
     let topology = env.topology();
     assert!(
-        lapse::topology::apply(&env.conn, &topology)
+        lapse::amqp::topology::apply(&env.conn, &topology)
             .await
             .unwrap()
             .ok()
@@ -130,7 +130,7 @@ async fn a_tier_refusing_redelays_never_spends_a_delivery_and_parks_nothing() {
 async fn give_back_counts_its_own_returns_and_parks_at_lapses_limit() {
     let env = TestEnv::new(&["1s"]).await;
     assert!(
-        lapse::topology::apply(&env.conn, &env.topology())
+        lapse::amqp::topology::apply(&env.conn, &env.topology())
             .await
             .unwrap()
             .ok()
@@ -143,7 +143,7 @@ async fn give_back_counts_its_own_returns_and_parks_at_lapses_limit() {
         .await
         .unwrap();
     publishing
-        .publish(lapse::broker::Outgoing::new(
+        .publish(lapse::amqp::broker::Outgoing::new(
             "",
             queue.as_str(),
             br#"{"order_id":7}"#.to_vec(),

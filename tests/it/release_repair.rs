@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use lapin::options::QueuePurgeOptions;
+use lapse::components::sweeper::Sweeper;
 use lapse::config::Secret;
+use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
-use lapse::stats::Outcome;
-use lapse::sweeper::Sweeper;
 
 use crate::helpers::{TestEnv, count, create_orders, eventually, wait_released};
 use crate::private_pg::PrivatePostgres;
@@ -59,7 +59,7 @@ async fn a_database_outage_during_stock_releases_parks_nothing_and_releases_each
     let url = pg.url("lapse");
     lapse::db::migrate(&Secret::new(url.clone())).await.unwrap();
     assert!(
-        lapse::topology::apply(&env.conn, &env.topology())
+        lapse::amqp::topology::apply(&env.conn, &env.topology())
             .await
             .unwrap()
             .ok()
@@ -146,9 +146,9 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
     sweeper_config.release_grace = Duration::from_millis(500);
     let sweeper = Sweeper {
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
-        stats: lapse::stats::Stats::default(),
+        stats: lapse::observe::stats::Stats::default(),
         config: sweeper_config,
-        limiter: lapse::rate::RateLimiter::new(0),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
     };
     let started = std::time::Instant::now();

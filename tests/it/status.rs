@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use lapin::BasicProperties;
-use lapse::broker::Publisher;
+use lapse::amqp::broker::Publisher;
 use lapse::orders::Line;
 use serde_json::Value;
 

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use lapse::broker::{BrokerError, Endpoint};
+use lapse::amqp::broker::{BrokerError, Endpoint};
+use lapse::amqp::management::Management;
 use lapse::config::Secret;
-use lapse::management::Management;
 use lapse::orders::Line;
 
 use crate::helpers::{
@@ -75,7 +75,7 @@ async fn with_the_ca_file_the_pipeline_runs_over_verified_tls() {
     let endpoint = config.broker.endpoint().unwrap();
     let conn = endpoint.connect("lapse test").await.unwrap();
     assert!(
-        lapse::topology::apply(&conn, &env.topology())
+        lapse::amqp::topology::apply(&conn, &env.topology())
             .await
             .unwrap()
             .ok()

@@ -7,9 +7,9 @@ use futures_util::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapse::broker::Publisher;
-use lapse::topology::ArgValue;
-use lapse::topology::field_table;
+use lapse::amqp::broker::Publisher;
+use lapse::amqp::topology::ArgValue;
+use lapse::amqp::topology::field_table;
 use serde_json::{Value, json};
 
 use crate::helpers::{TestEnv, stdout};
@@ -164,7 +164,7 @@ async fn per_message_ttl_blocks_the_short_message_behind_the_long_one() {
         )
         .await
         .unwrap();
-    let mut args = lapse::topology::Arguments::new();
+    let mut args = lapse::amqp::topology::Arguments::new();
     args.insert(
         "x-dead-letter-exchange".into(),
         ArgValue::Str(String::new()),

@@ -1,0 +1,271 @@
+//! Gathering deliveries into batches: wait for the first, then take whatever else
+//! arrives within a short window, up to a size. Used by every consumer so that one
+//! database round trip serves many deliveries.
+//!
+//! Held deliveries (a timeout shorter than the smallest tier, a locked row, a publish
+//! to retry) stay in the source's own delay queue, polled by `next` together with the
+//! broker's deliveries: no task outlives the session, and closing the session (or
+//! cancelling its token) drops them unacknowledged, so the broker delivers them again.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::time::DelayQueue;
+
+use crate::amqp::broker::{self, BrokerError, Endpoint};
+use crate::amqp::publishing::{PublishingConnection, parked_copy};
+use crate::runtime::health::{Busy, Health};
+
+/// A consumer on one queue plus the deliveries held back until a moment (held
+/// timeouts, kept publishes).
+pub struct BatchSource {
+    consumer: lapin::Consumer,
+    held: DelayQueue<Delivery>,
+    pub channel: lapin::Channel,
+}
+
+impl BatchSource {
+    /// Opens a channel with `prefetch` and starts consuming `queue`.
+    pub async fn open(
+        conn: &lapin::Connection,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(BrokerError::amqp("channel.open"))?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(BrokerError::amqp("basic.qos"))?;
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(BrokerError::amqp("basic.consume"))?;
+        Ok(Self {
+            consumer,
+            held: DelayQueue::new(),
+            channel,
+        })
+    }
+
+    /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`.
+    pub fn hold(&mut self, delivery: Delivery, until: Instant) {
+        self.held.insert_at(delivery, until);
+    }
+
+    /// How many deliveries are held.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The next batch; `Ok(None)` once `token` is cancelled.
+    pub async fn next(
+        &mut self,
+        size: usize,
+        window: Duration,
+        token: &CancellationToken,
+    ) -> Result<Option<Vec<Delivery>>, BrokerError> {
+        // An empty delay queue answers `None` at once: that branch is then disabled
+        // for this `select!`, and nothing is held meanwhile (holds are added between
+        // batches, by the caller).
+        let held = &mut self.held;
+        let first = tokio::select! {
+            biased;
+            _ = token.cancelled() => return Ok(None),
+            Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => d.into_inner(),
+            next = self.consumer.next() => Self::unwrap(next)?,
+        };
+        let mut batch = vec![first];
+        let until = Instant::now() + window;
+        while batch.len() < size {
+            tokio::select! {
+                biased;
+                Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
+                next = self.consumer.next() => batch.push(Self::unwrap(next)?),
+                _ = tokio::time::sleep_until(until) => break,
+            }
+        }
+        Ok(Some(batch))
+    }
+
+    fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {
+        match next {
+            Some(Ok(d)) => Ok(d),
+            Some(Err(e)) => Err(BrokerError::amqp("consume")(e)),
+            None => Err(BrokerError::ConsumerEnded),
+        }
+    }
+
+    /// Stops consuming and closes the channel; unacknowledged deliveries go back to
+    /// the queue.
+    pub async fn close(self) {
+        if self.channel.status().connected() {
+            let close = self.channel.close(200, "shutting down".into());
+            let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
+        }
+    }
+}
+
+/// What one consuming session holds: a consuming connection with the batch source,
+/// and a separate publishing connection for the publishes its work needs (so that a
+/// broker alarm, which blocks publishing connections, never stops its
+/// acknowledgements). Opening and closing it is the same for every consumer; only the
+/// handling of a batch differs.
+pub struct ConsumerSession {
+    conn: lapin::Connection,
+    pub publishing: PublishingConnection,
+    pub source: BatchSource,
+}
+
+impl ConsumerSession {
+    /// Connects twice — `lapse <role> consume <prefix>` and `lapse <role> publish
+    /// <prefix>` (the names shown in the management UI) — and starts consuming `queue`.
+    /// `component` names the component on `/health`.
+    pub async fn open(
+        endpoint: &Endpoint,
+        role: &str,
+        prefix: &str,
+        component: &'static str,
+        health: &Health,
+        queue: &str,
+        prefetch: u16,
+    ) -> Result<Self, BrokerError> {
+        // Opening is a unit of work for the liveness check (a connect that never
+        // returns is a stall); waiting for deliveries afterwards is not.
+        let _opening = health.busy(component);
+        let publish_name = format!("lapse {role} publish {prefix}");
+        let publishing =
+            PublishingConnection::open(endpoint, &publish_name, component, health).await?;
+        let conn = endpoint
+            .connect(&format!("lapse {role} consume {prefix}"))
+            .await?;
+        let source = match BatchSource::open(&conn, queue, prefetch).await {
+            Ok(source) => source,
+            Err(e) => {
+                publishing.close().await;
+                broker::close_quietly(&conn, "consumer failed to start").await;
+                return Err(e);
+            }
+        };
+        tracing::info!(%queue, prefetch, "consuming");
+        health.up(component);
+        Ok(Self {
+            conn,
+            publishing,
+            source,
+        })
+    }
+
+    /// Stops consuming and closes both connections; unacknowledged deliveries return
+    /// to the queue.
+    pub async fn close(self) {
+        self.source.close().await;
+        broker::close_quietly(&self.conn, "consumer stopping").await;
+        self.publishing.close().await;
+    }
+}
+
+/// Acknowledges one delivery (every consumer acknowledges this way).
+pub async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(BrokerError::amqp("basic.ack"))
+}
+
+impl ConsumerSession {
+    /// Publishes a parked copy of `delivery` with `reason` on `parked_exchange`, then
+    /// acknowledges it; on error nothing was acknowledged.
+    pub async fn park(
+        &mut self,
+        parked_exchange: String,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<(), BrokerError> {
+        self.publishing
+            .publish(parked_copy(parked_exchange, delivery, reason))
+            .await?;
+        ack(delivery).await
+    }
+}
+
+/// What a consuming component does with each batch; the session loop around it is
+/// [`consume`], the same for every consumer.
+pub(crate) trait BatchHandler {
+    /// Handles one batch. `busy` marks the unit of work for the liveness check (wrap
+    /// waits that are not a stall in `busy.idle_while`). An error ends the session;
+    /// unacknowledged deliveries then return to the queue.
+    async fn handle(
+        &mut self,
+        batch: Vec<Delivery>,
+        session: &mut ConsumerSession,
+        token: &CancellationToken,
+        busy: &Busy,
+    ) -> Result<(), BrokerError>;
+}
+
+/// Where and how a component consumes.
+pub struct Consuming<'a> {
+    pub endpoint: &'a Endpoint,
+    /// `worker` or `releaser`: the connection names' role.
+    pub role: &'a str,
+    pub prefix: &'a str,
+    /// The component's name on `/health`.
+    pub component: &'static str,
+    pub queue: String,
+    pub prefetch: u16,
+    pub batch_size: usize,
+    pub batch_window: Duration,
+}
+
+/// One consuming session: opens it, hands each batch to `handler` until `token` is
+/// cancelled or something fails, then closes it (held and unacknowledged deliveries
+/// return to the queue). Run it under [`crate::runtime::backoff::reconnecting`].
+pub(crate) async fn consume<H: BatchHandler>(
+    how: &Consuming<'_>,
+    health: &Health,
+    token: &CancellationToken,
+    handler: &mut H,
+) -> Result<(), BrokerError> {
+    let mut session = ConsumerSession::open(
+        how.endpoint,
+        how.role,
+        how.prefix,
+        how.component,
+        health,
+        &how.queue,
+        how.prefetch,
+    )
+    .await?;
+    let result = loop {
+        let batch = match session
+            .source
+            .next(how.batch_size, how.batch_window, token)
+            .await
+        {
+            Ok(Some(batch)) => batch,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let busy = health.busy(how.component);
+        if let Err(e) = handler.handle(batch, &mut session, token, &busy).await {
+            break Err(e);
+        }
+    };
+    session.close().await;
+    result
+}

@@ -1,0 +1,199 @@
+//! The AMQP side: connecting, reading the broker's error replies, and publishing with
+//! confirms. It knows nothing of lapse's configuration or topology: callers hand it
+//! plain values (a URL, TLS material, a timeout, field tables).
+//!
+//! Invariant: a publish counts only once the broker confirmed it (`ack`) AND routed
+//! it to a queue; a nack, a `reject-publish` overflow, a lost channel or a confirm
+//! that does not arrive within `broker.confirm_timeout` is an error the caller
+//! retries. Every publish is `mandatory`: when no queue is bound for it (a queue
+//! deleted by an operator) the broker returns the message with the confirm, and the
+//! publish is [`BrokerError::Unroutable`], never delivered. (An exchange with an
+//! alternate exchange, like `<P>.delay`, routes such a message there instead.)
+//! `amqps://` always means TLS with a verified server certificate (see [`crate::amqp::tls`]).
+
+use std::time::Duration;
+
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKind};
+
+mod publisher;
+
+pub use publisher::{Outgoing, Publisher};
+
+use crate::amqp::tls::{self, TlsFiles};
+use crate::redact::Secret;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("cannot connect to the broker: {0}")]
+    Connect(#[source] lapin::Error),
+    #[error(
+        "cannot connect to the broker: TLS certificate verification failed ({detail}); \
+         if the broker's certificate is signed by a private CA, set broker.tls.ca_file"
+    )]
+    CertificateRejected { detail: String },
+    #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
+    ConfirmTimeout { after: Duration },
+    #[error("the broker blocks publishing on this connection: {reason}")]
+    Blocked { reason: String },
+    #[error("publishing is unavailable: {reason}")]
+    Unavailable { reason: String },
+    #[error("broker operation `{op}` failed: {source}")]
+    Amqp {
+        op: &'static str,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("the broker cancelled the consumer (queue deleted?)")]
+    ConsumerEnded,
+    #[error("the broker connection was lost")]
+    ConnectionLost,
+    #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
+    Nacked {
+        exchange: String,
+        routing_key: String,
+    },
+    #[error(
+        "unroutable: no queue is bound to `{exchange}` for routing key `{routing_key}` (the broker returned the publish)"
+    )]
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+    },
+    #[error(
+        "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
+    )]
+    MissingTier { queue: String },
+}
+
+impl BrokerError {
+    pub fn amqp(op: &'static str) -> impl FnOnce(lapin::Error) -> Self {
+        move |source| Self::Amqp { op, source }
+    }
+}
+
+impl crate::runtime::backoff::SessionError for BrokerError {
+    /// The broker refused the credentials, the virtual host or a permission: every
+    /// reconnect would be refused the same way, so it is a configuration error.
+    fn is_fatal(&self) -> bool {
+        let error = match self {
+            Self::Connect(e) | Self::Amqp { source: e, .. } => e,
+            _ => return false,
+        };
+        let ErrorKind::ProtocolError(e) = error.kind() else {
+            return false;
+        };
+        matches!(
+            e.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+        )
+    }
+}
+
+/// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How lapse reaches the broker: the URL, the TLS material for `amqps://` and the
+/// confirm timeout of its publishers.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub url: Secret,
+    pub tls: TlsFiles,
+    pub confirm_timeout: Duration,
+}
+
+impl Endpoint {
+    /// `url` with the system's root certificates and the default confirm timeout.
+    pub fn new(url: Secret) -> Self {
+        Self {
+            url,
+            tls: TlsFiles::default(),
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+        }
+    }
+
+    /// Opens a connection named `name` (shown in the management UI).
+    pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
+        let properties = ConnectionProperties::default().with_connection_name(name.into());
+        DefaultConnectionBuilder::new()
+            .map_err(BrokerError::Connect)?
+            .with_uri_str(self.url.expose().to_string())
+            .with_properties(properties)
+            .with_tls_config(self.tls.amqp())
+            .connect()
+            .await
+            .map_err(connect_error)
+    }
+
+    /// A confirm channel on `conn` that waits at most `confirm_timeout` per publish.
+    pub async fn publisher(&self, conn: &Connection) -> Result<Publisher, BrokerError> {
+        Ok(Publisher::new(conn)
+            .await?
+            .with_confirm_timeout(self.confirm_timeout))
+    }
+}
+
+/// A rejected server certificate gets its own error, saying what to configure.
+fn connect_error(err: lapin::Error) -> BrokerError {
+    if let ErrorKind::IOError(io) = err.kind()
+        && tls::is_certificate_error(io.as_ref())
+    {
+        return BrokerError::CertificateRejected {
+            detail: io.to_string(),
+        };
+    }
+    BrokerError::Connect(err)
+}
+
+/// Opens a connection named `name` to `url` (system roots for `amqps://`).
+pub async fn connect(url: &Secret, name: &str) -> Result<Connection, BrokerError> {
+    Endpoint::new(url.clone()).connect(name).await
+}
+
+fn soft_error(err: &lapin::Error) -> Option<(AMQPSoftError, String)> {
+    match err.kind() {
+        ErrorKind::ProtocolError(e) => match e.kind() {
+            AMQPErrorKind::Soft(soft) => Some((soft.clone(), e.get_message().to_string())),
+            AMQPErrorKind::Hard(_) => None,
+        },
+        _ => None,
+    }
+}
+
+/// The broker's text when `err` is a 406 PRECONDITION_FAILED.
+pub fn precondition_failed(err: &lapin::Error) -> Option<String> {
+    soft_error(err)
+        .filter(|(kind, _)| *kind == AMQPSoftError::PRECONDITIONFAILED)
+        .map(|(_, text)| text)
+}
+
+/// True when `err` is a 404 NOT_FOUND (e.g. a passive declare of a missing queue).
+pub fn not_found(err: &lapin::Error) -> bool {
+    matches!(soft_error(err), Some((AMQPSoftError::NOTFOUND, _)))
+}
+
+/// The virtual host named by an AMQP URL (`/` when the URL names none).
+pub fn vhost(url: &Secret) -> String {
+    use std::str::FromStr;
+    lapin::uri::AMQPUri::from_str(url.expose())
+        .map(|u| u.vhost)
+        .unwrap_or_else(|_| "/".to_string())
+}
+
+/// `host:port` of an AMQP URL, without credentials, for messages.
+pub fn shown_address(url: &Secret) -> String {
+    use std::str::FromStr;
+    match lapin::uri::AMQPUri::from_str(url.expose()) {
+        Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
+        Err(_) => "(broker.url)".to_string(),
+    }
+}
+
+/// Closes a connection at the end of a session without ever hanging on a connection
+/// the broker already dropped.
+pub async fn close_quietly(conn: &Connection, reason: &str) {
+    if conn.status().connected() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, reason.into())).await;
+    }
+}

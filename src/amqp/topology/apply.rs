@@ -1,0 +1,306 @@
+//! `topology apply`: declare every object of a [`Topology`], report argument drift
+//! instead of stopping at the first, and (`--prune`) delete empty orphan wait queues.
+//!
+//! Invariants: idempotent (a second run declares the same objects with the same
+//! arguments and changes nothing); a queue holding messages is never deleted — the
+//! broker's own `if-empty` check makes that atomic.
+
+use lapin::options::{
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ExchangeKind as LapinKind};
+use serde::Serialize;
+
+use super::{ExchangeKind, ExchangeSpec, Names, QueueSpec, Topology};
+use crate::amqp::broker::{self, BrokerError};
+use crate::amqp::management::Management;
+
+/// An object that exists with other properties than the topology wants.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Drift {
+    pub object: String,
+    pub argument: String,
+    pub expected: String,
+    pub actual: String,
+}
+
+impl std::fmt::Display for Drift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} is {} on the broker, the tier file wants {}",
+            self.object, self.argument, self.actual, self.expected
+        )
+    }
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ApplyReport {
+    pub declared: Vec<String>,
+    pub drifts: Vec<Drift>,
+    pub failures: Vec<String>,
+}
+
+impl ApplyReport {
+    pub fn ok(&self) -> bool {
+        self.drifts.is_empty() && self.failures.is_empty()
+    }
+}
+
+/// Parses RabbitMQ's 406 text: "inequivalent arg 'x-message-ttl' for queue 'q' in
+/// vhost '/': received the value '2000' of type 'long' but current is the value
+/// '1000' of type 'long'" into a [`Drift`] (expected = received, actual = current).
+pub fn parse_inequivalent(object: &str, text: &str) -> Drift {
+    let argument = between(text, "inequivalent arg '", "'").unwrap_or("(unknown)");
+    let received = between(text, "received ", " but current is ").unwrap_or("(unknown)");
+    let current = text.split(" but current is ").nth(1).unwrap_or("(unknown)");
+    Drift {
+        object: object.to_string(),
+        argument: argument.to_string(),
+        expected: shown_value(received),
+        actual: shown_value(current),
+    }
+}
+
+fn between<'a>(text: &'a str, start: &str, end: &str) -> Option<&'a str> {
+    let rest = &text[text.find(start)? + start.len()..];
+    Some(&rest[..rest.find(end)?])
+}
+
+/// "the value '1000' of type 'long'" -> "1000"; "none" -> "(absent)"; "'fanout'" -> "fanout".
+fn shown_value(text: &str) -> String {
+    let text = text.trim();
+    if let Some(v) = between(text, "the value '", "'") {
+        return v.to_string();
+    }
+    if text == "none" {
+        return "(absent)".to_string();
+    }
+    text.trim_matches('\'').to_string()
+}
+
+fn lapin_kind(kind: ExchangeKind) -> LapinKind {
+    match kind {
+        ExchangeKind::Direct => LapinKind::Direct,
+        ExchangeKind::Fanout => LapinKind::Fanout,
+    }
+}
+
+/// Outcome of declaring one object on a fresh channel.
+pub(crate) enum Declared {
+    Ok,
+    Drift(Drift),
+    Missing,
+}
+
+/// Declares an exchange (or only checks it exists when `passive`).
+pub(crate) async fn declare_exchange(
+    conn: &Connection,
+    e: &ExchangeSpec,
+    passive: bool,
+) -> Result<Declared, BrokerError> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(BrokerError::amqp("channel.open"))?;
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        passive,
+        ..Default::default()
+    };
+    let result = channel
+        .exchange_declare(
+            e.name.as_str().into(),
+            lapin_kind(e.kind),
+            options,
+            super::field_table(&e.arguments),
+        )
+        .await;
+    finish(channel, &e.name, result.map(|_| ())).await
+}
+
+/// Declares a queue (or only checks it exists when `passive`).
+pub(crate) async fn declare_queue(
+    conn: &Connection,
+    q: &QueueSpec,
+    passive: bool,
+) -> Result<Declared, BrokerError> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(BrokerError::amqp("channel.open"))?;
+    let options = QueueDeclareOptions {
+        durable: true,
+        passive,
+        ..Default::default()
+    };
+    let args = if passive {
+        FieldTable::default()
+    } else {
+        super::field_table(&q.arguments)
+    };
+    let result = channel
+        .queue_declare(q.name.as_str().into(), options, args)
+        .await;
+    finish(channel, &q.name, result.map(|_| ())).await
+}
+
+async fn finish(
+    channel: lapin::Channel,
+    object: &str,
+    result: Result<(), lapin::Error>,
+) -> Result<Declared, BrokerError> {
+    let outcome = match result {
+        Ok(()) => Declared::Ok,
+        Err(e) => {
+            if let Some(text) = broker::precondition_failed(&e) {
+                Declared::Drift(parse_inequivalent(object, &text))
+            } else if broker::not_found(&e) {
+                Declared::Missing
+            } else {
+                return Err(BrokerError::amqp("declare")(e));
+            }
+        }
+    };
+    if channel.status().connected() {
+        let _ = channel.close(200, "done".into()).await;
+    }
+    Ok(outcome)
+}
+
+/// Declares everything; drift on one object does not stop the others.
+pub async fn apply(conn: &Connection, topology: &Topology) -> Result<ApplyReport, BrokerError> {
+    let mut report = ApplyReport::default();
+    let mut record = |name: &str, outcome: Declared| match outcome {
+        Declared::Ok => report.declared.push(name.to_string()),
+        Declared::Drift(d) => report.drifts.push(d),
+        Declared::Missing => report.failures.push(format!("{name}: not found")),
+    };
+    for e in &topology.exchanges {
+        record(&e.name, declare_exchange(conn, e, false).await?);
+    }
+    for q in &topology.queues {
+        record(&q.name, declare_queue(conn, q, false).await?);
+    }
+    let mut channel = conn
+        .create_channel()
+        .await
+        .map_err(BrokerError::amqp("channel.open"))?;
+    for b in &topology.bindings {
+        if !channel.status().connected() {
+            channel = conn
+                .create_channel()
+                .await
+                .map_err(BrokerError::amqp("channel.open"))?;
+        }
+        let bound = channel
+            .queue_bind(
+                b.queue.as_str().into(),
+                b.exchange.as_str().into(),
+                b.routing_key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        if let Err(e) = bound {
+            // A queue or exchange that failed above cannot be bound; say so and go on.
+            report.failures.push(format!(
+                "binding {} --[{}]--> {}: {e}",
+                b.exchange, b.routing_key, b.queue
+            ));
+        }
+    }
+    if channel.status().connected() {
+        let _ = channel.close(200, "done".into()).await;
+    }
+    Ok(report)
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct PruneReport {
+    pub deleted: Vec<String>,
+    /// Orphans kept because they still hold messages, with their depth.
+    pub kept: Vec<(String, u64)>,
+}
+
+/// Deletes wait queues of this prefix that the topology no longer has, if empty.
+///
+/// Quorum queues refuse `queue.delete` with `if-empty`, so emptiness is made safe
+/// another way: the orphan is first unbound from the delay exchange (a publish to its
+/// tier now goes to the alternate exchange, i.e. parked, instead of into the queue),
+/// then its depth is read; an empty queue is deleted, a non-empty one is bound again
+/// and kept.
+pub async fn prune(
+    conn: &Connection,
+    management: &Management,
+    vhost: &str,
+    names: &Names,
+    topology: &Topology,
+) -> Result<PruneReport, Box<dyn std::error::Error + Send + Sync>> {
+    let wait_prefix = names.wait_queue_prefix();
+    let delay = names.delay_exchange();
+    let mut report = PruneReport::default();
+    for q in management.queues(vhost).await? {
+        let Some(tier) = q.name.strip_prefix(&wait_prefix) else {
+            continue;
+        };
+        if topology.queue(&q.name).is_some() {
+            continue;
+        }
+        let channel = conn.create_channel().await?;
+        let name = q.name.as_str();
+        channel
+            .queue_unbind(
+                name.into(),
+                delay.as_str().into(),
+                tier.into(),
+                FieldTable::default(),
+            )
+            .await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let depth = channel
+            .queue_declare(name.into(), passive, FieldTable::default())
+            .await?
+            .message_count();
+        if depth == 0 {
+            channel
+                .queue_delete(name.into(), QueueDeleteOptions::default())
+                .await?;
+            report.deleted.push(q.name.clone());
+        } else {
+            channel
+                .queue_bind(
+                    name.into(),
+                    delay.as_str().into(),
+                    tier.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            report.kept.push((q.name.clone(), u64::from(depth)));
+        }
+        let _ = channel.close(200, "done".into()).await;
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_brokers_406_text() {
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl' for queue 'p.wait.1s' in vhost '/': received the value '1000' of type 'signedint' but current is the value '2000' of type 'signedint'";
+        let d = parse_inequivalent("p.wait.1s", text);
+        assert_eq!(d.argument, "x-message-ttl");
+        assert_eq!(d.expected, "1000");
+        assert_eq!(d.actual, "2000");
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received the value 'reject-publish' of type 'longstr' but current is none";
+        let d = parse_inequivalent("q", text);
+        assert_eq!(d.actual, "(absent)");
+    }
+}

@@ -1,0 +1,360 @@
+//! The outbox relay: moves outbox rows to the broker with publisher confirms and
+//! deletes a row only after its confirm.
+//!
+//! Timeout intents go to the tier chosen from the database clock (or straight to the
+//! due queue when shorter than the smallest tier), allowing as slack only the lag
+//! since the intent was written; stock-release events go to
+//! `<P>.events`. Several relays may run at once: each round locks its rows with
+//! `FOR UPDATE SKIP LOCKED`. Woken by `NOTIFY lapse_outbox`, with a polling fallback.
+//!
+//! A row the broker refuses (a full tier, `reject-publish`) or returns (`mandatory`:
+//! no queue bound, e.g. deleted by an operator), and a timeout whose wait tier has no
+//! queue (checked before publishing, see [`crate::amqp::tier_check`]: `<P>.delay` would
+//! route it to parked and confirm it), is never deleted: it is rescheduled
+//! (`not_before`, with exponential back-off per row, see [`retry`]) and the round
+//! takes rows by `(not_before, id)`, so a refused destination waits alone while every
+//! other row — other tiers, stock releases — flows past it.
+
+pub mod backlog;
+mod outgoing;
+pub mod retry;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use futures_util::StreamExt;
+use lapin::Connection;
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher};
+use crate::amqp::publishing::BlockedWatch;
+use crate::amqp::tier_check::TierCheck;
+use crate::amqp::topology::Names;
+use crate::config::{Config, Secret};
+use crate::db::{self, DbError};
+use crate::observe::stats::{Outcome, Stats};
+use crate::runtime::backoff::Backoff;
+use crate::runtime::health::Health;
+use crate::runtime::supervisor::Fatal;
+use crate::tier::{Tier, TierSet};
+use outgoing::RowPublish;
+
+/// The channel the outbox trigger notifies.
+pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+impl From<tokio_postgres::Error> for RelayError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        Self::Db(e.into())
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for RelayError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        Self::Db(e.into())
+    }
+}
+
+/// What one round did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RelayOutcome {
+    /// Nothing to publish.
+    Idle,
+    /// Rows published and deleted; `refused` rows were nacked (a full tier) and
+    /// `returned` ones unroutable (returned by the broker, or for a tier without a
+    /// queue): both stay, rescheduled for later.
+    Published {
+        sent: usize,
+        refused: usize,
+        returned: usize,
+    },
+}
+
+#[derive(Clone)]
+pub struct Relay {
+    pub pool: Pool,
+    pub names: Names,
+    pub tiers: TierSet,
+    pub tolerance: Duration,
+    pub batch_size: i64,
+    pub stats: Stats,
+    pub tier_check: TierCheck,
+}
+
+impl Relay {
+    pub fn new(config: &Config, pool: Pool, tiers: TierSet, stats: Stats) -> Self {
+        Self {
+            pool,
+            tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
+            names: config.names(),
+            tiers,
+            tolerance: config.relay.tier_tolerance,
+            batch_size: config.relay.batch_size,
+            stats,
+        }
+    }
+
+    /// One round: lock a batch of due rows, check that the wait tiers they go to
+    /// exist (asked on `conn`, the publisher's connection), publish the rest with
+    /// confirms, delete what was confirmed and routed, reschedule what was refused or
+    /// returned or had no tier queue.
+    // Over 60 lines on purpose: one round is one transaction (read, check tiers, publish, delete, reschedule, record hops, commit); pieces would pass the transaction and its collections around.
+    pub async fn run_once(
+        &self,
+        conn: &Connection,
+        publisher: &Publisher,
+    ) -> Result<RelayOutcome, RelayError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let rows = tx
+            .query(
+                "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
+                  WHERE not_before <= now()
+                  ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                &[&self.batch_size],
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok(RelayOutcome::Idle);
+        }
+        let outgoing: Vec<RowPublish> = rows
+            .iter()
+            .map(|r| self.decode(r))
+            .collect::<Result<_, DbError>>()?;
+        let tiers: BTreeSet<Tier> = outgoing.iter().filter_map(|o| o.tier).collect();
+        let missing = if tiers.is_empty() {
+            BTreeSet::new()
+        } else {
+            self.tier_check.missing(conn, tiers).await?
+        };
+        let mut later = Later::default();
+        let (no_queue, ready): (Vec<&RowPublish>, Vec<&RowPublish>) = outgoing
+            .iter()
+            .partition(|o| o.tier.is_some_and(|t| missing.contains(&t)));
+        for o in no_queue {
+            let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
+            later.add(o, &BrokerError::MissingTier { queue });
+        }
+        let messages = ready.iter().map(|o| o.message.clone()).collect();
+        let results = publisher.publish_all(messages).await;
+        let mut sent_ids = Vec::new();
+        let mut hops = Vec::new();
+        let mut broken = None;
+        for (o, result) in ready.into_iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    sent_ids.push(o.outbox_id);
+                    if let Some(hop) = &o.hop {
+                        self.stats.hop(Some(hop.tier.as_str()));
+                        hops.push(hop.clone());
+                    }
+                }
+                Err(e @ (BrokerError::Nacked { .. } | BrokerError::Unroutable { .. })) => {
+                    later.add(o, &e)
+                }
+                Err(e) => broken = Some(e),
+            }
+        }
+        tx.execute("DELETE FROM outbox WHERE id = ANY($1)", &[&sent_ids])
+            .await?;
+        tx.execute(
+            "UPDATE outbox o
+                SET attempts = o.attempts + 1, last_error = r.error,
+                    not_before = now() + r.ms * interval '1 millisecond'
+               FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS r(id, ms, error)
+              WHERE o.id = r.id",
+            &[&later.ids, &later.delay_ms, &later.errors],
+        )
+        .await?;
+        crate::timeline::record_hops(&*tx, &hops).await?;
+        tx.commit().await?;
+        let stats = self.stats.by("relay");
+        stats.record(Outcome::Relayed, sent_ids.len() as u64);
+        stats.record(Outcome::PublishRefused, later.refused as u64);
+        stats.record(Outcome::Unroutable, later.returned as u64);
+        if let Some(error) = later.errors.first() {
+            tracing::warn!(
+                refused = later.refused,
+                returned = later.returned,
+                %error,
+                "relay: the broker did not take some rows; rescheduled with back-off"
+            );
+        }
+        if let Some(e) = broken {
+            return Err(e.into());
+        }
+        Ok(RelayOutcome::Published {
+            sent: sent_ids.len(),
+            refused: later.refused,
+            returned: later.returned,
+        })
+    }
+
+    /// Runs rounds until `token` is cancelled, reconnecting to the broker as needed.
+    pub async fn run(
+        self,
+        broker: Endpoint,
+        db_url: Secret,
+        poll: Duration,
+        health: Health,
+        token: CancellationToken,
+    ) -> Result<(), Fatal> {
+        let wake = Arc::new(Notify::new());
+        // The LISTEN connection and the backlog gauge belong to this instance: they
+        // stop with `token`, and dropping the set (the supervisor abandoning this
+        // instance at the drain limit) aborts them.
+        let mut helpers = JoinSet::new();
+        helpers.spawn(listen(db_url, wake.clone(), token.clone()));
+        helpers.spawn(backlog::run(self.pool.clone(), token.clone()));
+        let result = crate::runtime::backoff::reconnecting("relay", &health, &token, || {
+            self.session(&broker, &wake, poll, &health, &token)
+        })
+        .await;
+        helpers.shutdown().await;
+        result
+    }
+
+    /// Rounds on one broker connection; returns on a broker error (to reconnect) or
+    /// when cancelled.
+    async fn session(
+        &self,
+        broker: &Endpoint,
+        wake: &Notify,
+        poll: Duration,
+        health: &Health,
+        token: &CancellationToken,
+    ) -> Result<(), BrokerError> {
+        let name = format!("lapse relay {}", self.names.prefix);
+        let busy = health.busy("relay");
+        let conn = broker.connect(&name).await?;
+        let _blocked = BlockedWatch::start(&conn, &name, "relay", health);
+        let publisher = broker.publisher(&conn).await?;
+        drop(busy);
+        health.up("relay");
+        let mut backoff = Backoff::new();
+        let result = loop {
+            if token.is_cancelled() {
+                break Ok(());
+            }
+            // Notice a dropped connection while idle, not only at the next publish.
+            if !publisher.is_usable() {
+                break Err(BrokerError::ConnectionLost);
+            }
+            // A broker alarm blocks this connection: wait it out rather than publish into
+            // it (a publish that gets stuck anyway ends in a confirm timeout; its rows stay).
+            if conn.status().blocked() {
+                backoff.sleep(token).await;
+                continue;
+            }
+            let busy = health.busy("relay");
+            let round = self.run_once(&conn, &publisher).await;
+            drop(busy);
+            match round {
+                // Refused and returned rows were rescheduled: no reason to slow down
+                // the rows behind them.
+                Ok(RelayOutcome::Published {
+                    sent,
+                    refused,
+                    returned,
+                }) => {
+                    backoff.reset();
+                    if sent + refused + returned < self.batch_size as usize {
+                        wait(wake, poll, token).await;
+                    }
+                }
+                Ok(RelayOutcome::Idle) => wait(wake, poll, token).await,
+                Err(RelayError::Broker(e)) => break Err(e),
+                Err(RelayError::Db(e)) => {
+                    tracing::warn!(error = %e, "relay: database error; retrying");
+                    backoff.sleep(token).await;
+                }
+            }
+        };
+        broker::close_quietly(&conn, "relay stopping").await;
+        result
+    }
+}
+
+/// Rows to try again later, with why and when.
+#[derive(Default)]
+struct Later {
+    ids: Vec<i64>,
+    delay_ms: Vec<i64>,
+    errors: Vec<String>,
+    refused: usize,
+    returned: usize,
+}
+
+impl Later {
+    fn add(&mut self, o: &RowPublish, error: &BrokerError) {
+        let delay = retry::retry_delay(o.attempts, o.reroute_after);
+        self.ids.push(o.outbox_id);
+        self.delay_ms
+            .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        self.errors.push(error.to_string());
+        match error {
+            BrokerError::Unroutable { .. } | BrokerError::MissingTier { .. } => self.returned += 1,
+            _ => self.refused += 1,
+        }
+    }
+}
+
+async fn wait(wake: &Notify, poll: Duration, token: &CancellationToken) {
+    tokio::select! {
+        _ = wake.notified() => {}
+        _ = tokio::time::sleep(poll) => {}
+        _ = token.cancelled() => {}
+    }
+}
+
+/// Keeps a LISTEN connection open and turns notifications into wake-ups.
+async fn listen(db_url: Secret, wake: Arc<Notify>, token: CancellationToken) {
+    let mut backoff = Backoff::new();
+    while !token.is_cancelled() {
+        let config = match db::pg_config(&db_url) {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        let (client, mut connection) = match db::connect(&config).await {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::debug!(error = %e, "relay: LISTEN connection failed; polling meanwhile");
+                backoff.sleep(&token).await;
+                continue;
+            }
+        };
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        let statement = format!("LISTEN {OUTBOX_CHANNEL}");
+        let listen = client.batch_execute(&statement);
+        tokio::pin!(listen);
+        let mut listening = false;
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                done = &mut listen, if !listening => {
+                    listening = true;
+                    if done.is_err() { break; }
+                    backoff.reset();
+                    wake.notify_one();
+                }
+                message = messages.next() => match message {
+                    Some(Ok(tokio_postgres::AsyncMessage::Notification(_))) => wake.notify_one(),
+                    Some(Ok(_)) => {}
+                    Some(Err(_)) | None => break,
+                },
+            }
+        }
+        backoff.sleep(&token).await;
+    }
+}

@@ -1,0 +1,189 @@
+//! Where one outbox row goes: a stock-release event to `<P>.events`; a timeout intent
+//! to the tier chosen from the database clock (or the due queue); a row that is
+//! neither to `<P>.parked` with the reason.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use lapin::types::ShortString;
+use serde_json::{Value, json};
+
+use crate::amqp::broker::Outgoing;
+use crate::timeline::Hop;
+
+use super::Relay;
+use crate::amqp::topology::STOCK_RELEASE_ROUTING_KEY;
+use crate::db::{DbError, column};
+use crate::message::{Route, TimeoutMessage, parked_properties};
+use crate::tier::Tier;
+
+/// An outbox row as the relay read it.
+pub(super) struct OutboxRow {
+    pub outbox_id: i64,
+    pub kind: String,
+    pub order_id: i64,
+    pub payload: Value,
+    /// Earlier refusals of this row (it was rescheduled each time).
+    pub attempts: u32,
+}
+
+/// A row ready to publish.
+pub(super) struct RowPublish {
+    pub outbox_id: i64,
+    pub message: Outgoing,
+    /// The timeline event of a timeout's first hop.
+    pub hop: Option<Hop>,
+    pub attempts: u32,
+    /// The wait tier it goes to, if any (its queue is checked before publishing).
+    pub tier: Option<Tier>,
+    /// How soon this row would be routed elsewhere (a timeout whose remaining time
+    /// drops below its tier); `None` when its route does not change with time.
+    pub reroute_after: Option<Duration>,
+}
+
+impl Relay {
+    /// How much longer than the remaining time a first hop's tier may be: the time
+    /// the relay itself took since the intent's transaction began (plus 1 ms for the
+    /// deadline's millisecond rounding), capped by `relay.tier_tolerance`. A
+    /// deadline equal to a tier then takes one hop, and the tier choice adds no more
+    /// lateness than the relay's own lag.
+    fn slack(&self, lag: Duration) -> Duration {
+        (lag + Duration::from_millis(1)).min(self.tolerance)
+    }
+
+    /// One outbox row (`id, kind, order_id, payload, db_now, created_at, attempts`) as
+    /// a publish. A row whose values cannot be decoded, or whose payload is not a
+    /// timeout intent, is published to the parked queue with the reason (and deleted
+    /// only after that publish is confirmed), never dropped and never a panic.
+    pub(super) fn decode(&self, r: &tokio_postgres::Row) -> Result<RowPublish, DbError> {
+        let outbox_id: i64 = column(r, "id")?;
+        let attempts = column::<i32>(r, "attempts")
+            .ok()
+            .and_then(|a| u32::try_from(a).ok())
+            .unwrap_or(0);
+        let read = || -> Result<(String, i64, Value, DateTime<Utc>), DbError> {
+            Ok((
+                column(r, "kind")?,
+                column(r, "order_id")?,
+                column(r, "payload")?,
+                column(r, "db_now")?,
+            ))
+        };
+        let (kind, order_id, payload, db_now) = match read() {
+            Ok(fields) => fields,
+            Err(e) => {
+                let reason = format!("relay: outbox row {outbox_id} cannot be read: {e}");
+                return Ok(self.parked(outbox_id, 0, b"", &reason, attempts));
+            }
+        };
+        // The lag only widens the tier choice; an unreadable write time counts as none.
+        let lag = column::<DateTime<Utc>>(r, "created_at")
+            .ok()
+            .and_then(|written| (db_now - written).to_std().ok())
+            .unwrap_or_default();
+        let row = OutboxRow {
+            outbox_id,
+            kind,
+            order_id,
+            payload,
+            attempts,
+        };
+        Ok(self.outgoing(row, db_now, lag))
+    }
+
+    fn parked(
+        &self,
+        outbox_id: i64,
+        order_id: i64,
+        body: &[u8],
+        reason: &str,
+        attempts: u32,
+    ) -> RowPublish {
+        tracing::warn!(outbox_id, order_id, %reason, "relay: parking an outbox row");
+        RowPublish {
+            outbox_id,
+            message: Outgoing::new(
+                self.names.parked(),
+                String::new(),
+                body.to_vec(),
+                parked_properties(&BasicProperties::default().with_delivery_mode(2), reason),
+            ),
+            hop: None,
+            attempts,
+            tier: None,
+            reroute_after: None,
+        }
+    }
+
+    // Over 60 lines on purpose: the three kinds of row (stock release, timeout intent, neither) as one decision.
+    fn outgoing(&self, row: OutboxRow, db_now: DateTime<Utc>, lag: Duration) -> RowPublish {
+        let OutboxRow {
+            outbox_id,
+            kind,
+            order_id,
+            payload,
+            attempts,
+        } = row;
+        if kind == "stock.release" {
+            return RowPublish {
+                outbox_id,
+                message: Outgoing::new(
+                    self.names.events_exchange(),
+                    STOCK_RELEASE_ROUTING_KEY,
+                    payload.to_string().into_bytes(),
+                    BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_content_type(ShortString::from("application/json"))
+                        .with_message_id(ShortString::from(format!("release-{order_id}"))),
+                ),
+                hop: None,
+                attempts,
+                tier: None,
+                reroute_after: None,
+            };
+        }
+        let body = payload.to_string().into_bytes();
+        let not_an_intent = |why: String| {
+            self.parked(
+                outbox_id,
+                order_id,
+                &body,
+                &format!("relay: outbox row {outbox_id} is not a timeout intent: {why}"),
+                attempts,
+            )
+        };
+        let Value::Object(mut fields) = payload else {
+            return not_an_intent("the payload is not a JSON object".into());
+        };
+        fields.insert("v".into(), json!(crate::message::MESSAGE_VERSION));
+        match serde_json::from_value::<TimeoutMessage>(Value::Object(fields)) {
+            Ok(mut message) => {
+                let remaining = message.remaining(db_now);
+                let slack = self.slack(lag);
+                let route = Route::for_remaining(&self.names, &self.tiers, remaining, slack);
+                message.hops = u32::from(route.tier.is_some());
+                // The chosen tier fits while remaining + slack >= tier.
+                let reroute_after = route
+                    .tier
+                    .map(|t| (remaining + slack).saturating_sub(t.duration()));
+                let hop = Hop::of(&message, route.tier.map(|t| t.name()), "relay");
+                RowPublish {
+                    outbox_id,
+                    hop: Some(hop),
+                    message: Outgoing::new(
+                        route.exchange,
+                        route.routing_key,
+                        message.encode(),
+                        message.properties(),
+                    ),
+                    attempts,
+                    tier: route.tier,
+                    reroute_after,
+                }
+            }
+            // Rows written by lapse's functions always decode; anything else is kept.
+            Err(e) => not_an_intent(e.to_string()),
+        }
+    }
+}

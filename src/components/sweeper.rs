@@ -1,0 +1,267 @@
+//! The backstop sweeper: every interval, one leader (advisory lock) scans UNPAID
+//! orders overdue by more than a grace period — keyset pagination over the partial
+//! index, bounded batches, a pause between them — and closes them through the same
+//! close path as the worker. What it closes should be ~0; a rise means the message
+//! path is losing timeouts. It also reports outbox rows older than a threshold (a
+//! stuck relay), and, still as the leader, runs the release reconciler
+//! ([`crate::components::reconciler`]), which emits again the stock releases lost after a close.
+//! An overdue row whose deadline lapse cannot handle (written before the deadline
+//! rules existed) is skipped with a reason and counted; the sweep goes on.
+//! An order whose row another transaction holds locked is skipped (`SKIP LOCKED`
+//! in the close path) and left to the next sweep.
+//! Shutdown ends a sweep between batches and cuts its pauses and rate-limit waits
+//! short; each batch (and each reconciler page) is reported as progress.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
+
+use crate::close::{self, Candidate, CloseReason};
+use crate::components::reconciler;
+use crate::config::SweeperConfig;
+use crate::db::{DbError, column};
+use crate::deadline;
+use crate::observe::stats::{Outcome, Stats};
+use crate::runtime::health::Busy;
+use crate::runtime::health::Health;
+use crate::runtime::rate::RateLimiter;
+
+/// Advisory lock key of the sweeper leader ("sweep").
+pub const LEADER_LOCK: i64 = 0x0073_7765_6570;
+
+#[derive(Clone)]
+pub struct Sweeper {
+    pub pool: Pool,
+    pub stats: Stats,
+    pub config: SweeperConfig,
+    pub limiter: RateLimiter,
+    /// Bound on waiting for a lock other than a row lock in the close statement.
+    pub lock_timeout: Duration,
+}
+
+/// What one sweep did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// False when another sweeper held the leader lock (nothing was scanned).
+    pub leader: bool,
+    pub scanned: usize,
+    pub closed: usize,
+    /// Overdue orders skipped because another transaction held their row lock.
+    pub locked: usize,
+    /// Outbox rows older than `stuck_outbox_after`.
+    pub stuck_outbox: i64,
+    /// Lost stock releases the reconciler emitted again (should be 0).
+    pub releases_repaired: usize,
+    /// CLOSED orders the reconciler skipped because their deadline lies outside the
+    /// range lapse handles (their row cannot be stamped until repaired).
+    pub releases_unreadable: usize,
+    /// Overdue orders skipped because their deadline cannot be decoded or lies outside
+    /// the range lapse handles (written before the deadline rules existed).
+    pub unreadable: usize,
+}
+
+/// An overdue row as a close candidate, or why it is skipped.
+fn sweepable(row: &tokio_postgres::Row) -> Result<Candidate, String> {
+    let id: i64 = column(row, "id").map_err(|e| e.to_string())?;
+    let readable = column::<DateTime<Utc>>(row, "expire_at")
+        .map_err(|e| e.to_string())
+        .and_then(|t| deadline::checked(t).map_err(|e| e.to_string()));
+    if let Err(e) = readable {
+        let raw: String = column(row, "raw").unwrap_or_else(|_| "?".into());
+        return Err(format!("order {id} ({raw}): {e}"));
+    }
+    Ok(Candidate {
+        order_id: id,
+        deadline_version: column(row, "deadline_version")
+            .map_err(|e| format!("order {id}: {e}"))?,
+        hops: 0,
+    })
+}
+
+impl Sweeper {
+    /// One sweep and one reconciler pass from the start of its index.
+    pub async fn run_once(&self) -> Result<SweepReport, DbError> {
+        let token = CancellationToken::new();
+        self.sweep_once(None, &token, &mut reconciler::Cursor::default())
+            .await
+    }
+
+    /// One sweep; `busy` (when given) hears of progress after every batch; `token`
+    /// ends it early; the reconciler continues from `cursor`.
+    async fn sweep_once(
+        &self,
+        busy: Option<&Busy>,
+        token: &CancellationToken,
+        cursor: &mut reconciler::Cursor,
+    ) -> Result<SweepReport, DbError> {
+        let mut client = self.pool.get().await?;
+        let leader: bool = column(
+            &client
+                .query_one("SELECT pg_try_advisory_lock($1) AS leader", &[&LEADER_LOCK])
+                .await?,
+            "leader",
+        )?;
+        if !leader {
+            return Ok(SweepReport::default());
+        }
+        let mut result = self.sweep(&mut client, busy, token).await;
+        if let Ok(report) = &mut result
+            && !token.is_cancelled()
+        {
+            match reconciler::run_pass(&mut client, &self.config, &self.stats, cursor, busy, token)
+                .await
+            {
+                Ok(r) => {
+                    report.releases_repaired = r.repaired;
+                    report.releases_unreadable = r.unreadable;
+                }
+                Err(e) => result = Err(e),
+            }
+        }
+        let _ = client
+            .execute("SELECT pg_advisory_unlock($1)", &[&LEADER_LOCK])
+            .await;
+        result
+    }
+
+    // Over 60 lines on purpose: one keyset-paged pass (page, close, count, pause); the cursor and the counters span the loop.
+    async fn sweep(
+        &self,
+        client: &mut deadpool_postgres::Client,
+        busy: Option<&Busy>,
+        token: &CancellationToken,
+    ) -> Result<SweepReport, DbError> {
+        let mut report = SweepReport {
+            leader: true,
+            ..Default::default()
+        };
+        let grace_ms = deadline::saturating_millis(self.config.grace);
+        // The cursor is the last row's id; the database reads its deadline itself, so
+        // pagination never depends on decoding a deadline.
+        let mut after: Option<i64> = None;
+        let mut unreadable = Vec::new();
+        loop {
+            if token.is_cancelled() {
+                break;
+            }
+            let rows = client
+                .query(
+                    "SELECT id, deadline_version, expire_at, expire_at::text AS raw FROM orders
+                      WHERE status = 'UNPAID'
+                        AND expire_at < now() - $1::bigint * interval '1 millisecond'
+                        AND ($2::bigint IS NULL
+                             OR (expire_at, id) > ((SELECT expire_at FROM orders WHERE id = $2), $2))
+                      ORDER BY expire_at, id
+                      LIMIT $3",
+                    &[&grace_ms, &after, &self.config.batch_size],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = Some(column(last, "id")?);
+            let mut candidates = Vec::with_capacity(rows.len());
+            for row in &rows {
+                match sweepable(row) {
+                    Ok(candidate) => candidates.push(candidate),
+                    Err(reason) => unreadable.push(reason),
+                }
+            }
+            let tx = client.transaction().await?;
+            let done =
+                close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
+            tx.commit().await?;
+            let closed = done.closed;
+            // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
+            let pace = async {
+                if self.limiter.acquire_or_cancelled(closed.len(), token).await
+                    && rows.len() >= self.config.batch_size.try_into().unwrap_or(usize::MAX)
+                {
+                    tokio::select! {
+                        _ = tokio::time::sleep(self.config.pause) => {}
+                        _ = token.cancelled() => {}
+                    }
+                }
+            };
+            match busy {
+                Some(busy) => busy.idle_while(pace).await,
+                None => pace.await,
+            }
+            for c in &closed {
+                self.stats.lateness(c.lateness(), "sweeper");
+            }
+            report.scanned += rows.len();
+            report.closed += closed.len();
+            self.stats.by("sweeper").record(
+                Outcome::SweptClosed,
+                u64::try_from(closed.len()).unwrap_or(0),
+            );
+            report.locked += done.locked.len();
+            self.stats.by("sweeper").record(
+                Outcome::Locked,
+                u64::try_from(done.locked.len()).unwrap_or(0),
+            );
+            if i64::try_from(rows.len()).unwrap_or(i64::MAX) < self.config.batch_size {
+                break;
+            }
+        }
+        report.unreadable = unreadable.len();
+        metrics::gauge!("lapse_orders_unreadable_deadline").set(unreadable.len() as f64);
+        if !unreadable.is_empty() {
+            tracing::error!(
+                orders = unreadable.len(),
+                first = %unreadable.iter().take(5).cloned().collect::<Vec<_>>().join("; "),
+                "sweeper skipped overdue orders whose deadline lapse cannot handle; repair them (docs/operations.md)"
+            );
+        }
+        let stuck_ms = deadline::saturating_millis(self.config.stuck_outbox_after);
+        let stuck = client
+            .query_one(
+                "SELECT count(*) AS stuck FROM outbox
+                  WHERE created_at < clock_timestamp() - $1::bigint * interval '1 millisecond'",
+                &[&stuck_ms],
+            )
+            .await?;
+        report.stuck_outbox = column(&stuck, "stuck")?;
+        metrics::gauge!("lapse_outbox_stuck_rows").set(report.stuck_outbox as f64);
+        if report.closed > 0 {
+            tracing::warn!(
+                closed = report.closed,
+                "sweeper closed overdue orders the message path missed"
+            );
+        }
+        if report.stuck_outbox > 0 {
+            tracing::warn!(
+                rows = report.stuck_outbox,
+                "outbox rows are waiting too long: is a relay running?"
+            );
+        }
+        Ok(report)
+    }
+
+    pub async fn run(self, health: Health, token: CancellationToken) {
+        let mut cursor = reconciler::Cursor::default();
+        loop {
+            let busy = health.busy("sweeper");
+            let swept = self.sweep_once(Some(&busy), &token, &mut cursor).await;
+            drop(busy);
+            if token.is_cancelled() {
+                return;
+            }
+            match swept {
+                Ok(report) => {
+                    health.up("sweeper");
+                    tracing::debug!(?report, "sweep done");
+                }
+                Err(e) => {
+                    health.down("sweeper", e.to_string());
+                    tracing::warn!(error = %e, "sweeper: database error");
+                }
+            }
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tokio::time::sleep(self.config.interval) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! `GET /readyz`: whether this worker can do its work right now: the broker and the
+//! database are reachable and every component is running (up and not stalled), with
+//! the reason for each check that fails. Unlike `/livez` it depends on the broker and
+//! the database: a load balancer or an orchestrator may hold traffic or rollouts on
+//! it, but must not restart the process for it (the components retry on their own).
+//!
+//! The checks are cheap: a TCP connect to the broker's address (no AMQP session, so
+//! probing leaves no connection churn on the broker) and `SELECT 1` on a pool of one
+//! connection, each bounded by [`CHECK_TIMEOUT`].
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use serde_json::{Value, json};
+
+use crate::config::Config;
+use crate::runtime::health::Health;
+
+/// Bounds each reachability check.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What `/readyz` checks besides the components.
+#[derive(Clone)]
+pub struct Readiness {
+    /// `host:port` of the broker, when a component uses it.
+    broker: Option<Result<(String, u16), String>>,
+    database: Result<Pool, String>,
+}
+
+impl Readiness {
+    pub fn from_config(config: &Config) -> Self {
+        let w = &config.worker;
+        let broker = (w.consumer || w.relay || w.releaser).then(|| {
+            lapin::uri::AMQPUri::from_str(config.broker.url.expose())
+                .map(|u| (u.authority.host, u.authority.port))
+                .map_err(|_| "broker.url is not a valid AMQP URL".to_string())
+        });
+        let database = crate::db::pool(&config.database, 1).map_err(|e| e.to_string());
+        Self { broker, database }
+    }
+
+    /// Runs every check; returns whether all passed and the JSON body.
+    pub async fn check(&self, health: &Health) -> (bool, Value) {
+        let (broker, database) = tokio::join!(self.broker(), self.database());
+        let mut checks = serde_json::Map::new();
+        let mut ready = true;
+        for (name, result) in [("broker", broker), ("database", database)] {
+            let Some(result) = result else { continue };
+            ready &= result.is_ok();
+            checks.insert(name.into(), verdict(result));
+        }
+        for (name, state) in health.snapshot() {
+            let result = if state.stalled {
+                Err(format!(
+                    "stalled: busy for {} ms without progress",
+                    state.busy_ms.unwrap_or_default()
+                ))
+            } else if !state.up {
+                Err(state.last_error.unwrap_or_else(|| "connecting".to_string()))
+            } else {
+                Ok(())
+            };
+            ready &= result.is_ok();
+            checks.insert(format!("component:{name}"), verdict(result));
+        }
+        let body = json!({
+            "status": if ready { "ready" } else { "not_ready" },
+            "checks": checks,
+        });
+        (ready, body)
+    }
+
+    async fn broker(&self) -> Option<Result<(), String>> {
+        let (host, port) = match self.broker.as_ref()? {
+            Ok(addr) => addr,
+            Err(e) => return Some(Err(e.clone())),
+        };
+        let connect = tokio::net::TcpStream::connect((host.as_str(), *port));
+        Some(match tokio::time::timeout(CHECK_TIMEOUT, connect).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("cannot reach the broker at {host}:{port}: {e}")),
+            Err(_) => Err(format!(
+                "cannot reach the broker at {host}:{port}: no answer within {CHECK_TIMEOUT:?}"
+            )),
+        })
+    }
+
+    async fn database(&self) -> Option<Result<(), String>> {
+        let pool = match &self.database {
+            Ok(pool) => pool,
+            Err(e) => return Some(Err(e.clone())),
+        };
+        let ask = async {
+            let client = pool.get().await.map_err(|e| e.to_string())?;
+            client
+                .simple_query("SELECT 1")
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        Some(match tokio::time::timeout(CHECK_TIMEOUT, ask).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!("cannot reach the database: {e}")),
+            Err(_) => Err(format!(
+                "cannot reach the database: no answer within {CHECK_TIMEOUT:?}"
+            )),
+        })
+    }
+}
+
+fn verdict(result: Result<(), String>) -> Value {
+    match result {
+        Ok(()) => json!({ "ok": true }),
+        Err(reason) => json!({ "ok": false, "reason": crate::redact::redact(&reason) }),
+    }
+}

@@ -1,0 +1,214 @@
+//! `lapse worker` as a library: starts the enabled components — due-queue consumer,
+//! relay, stock releaser, sweeper — each with its own connection pool, under one
+//! [`Supervisor`]: a component that panics or stops on its own is restarted with
+//! back-off and shown as down on `/health`, without stopping the others.
+//!
+//! Shutdown: cancel the token; components stop taking work and finish what is in
+//! flight; whatever has not finished within the drain limit is abandoned
+//! (unacknowledged deliveries return to their queue). A fatal failure (the broker
+//! refuses the credentials) stops the service the same way and is reported, so the
+//! process exits non-zero.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::broker::Endpoint;
+use crate::components::consumer::Consumer;
+use crate::components::relay::Relay;
+use crate::components::releaser::Releaser;
+use crate::components::sweeper::Sweeper;
+use crate::config::Config;
+use crate::db::{self, DbError};
+use crate::observe::stats::Stats;
+use crate::runtime::health::Health;
+use crate::runtime::rate::RateLimiter;
+use crate::runtime::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
+use crate::tier::TierSet;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("invalid configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("invalid configuration: broker.tls: {0}")]
+    Tls(#[from] crate::amqp::tls::TlsError),
+}
+
+pub struct Service {
+    supervisor: Supervisor,
+    health: Health,
+    drain: Duration,
+}
+
+/// How the service ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stopped {
+    pub stop: Stop,
+    /// Components still running at the drain limit, abandoned.
+    pub abandoned: Vec<&'static str>,
+}
+
+impl Stopped {
+    /// True only for a requested shutdown that drained everything: the one ending
+    /// that deserves exit status 0.
+    pub fn clean(&self) -> bool {
+        self.stop == Stop::Requested && self.abandoned.is_empty()
+    }
+}
+
+impl Service {
+    /// Starts every component the configuration enables.
+    pub async fn start(
+        config: &Config,
+        stats: Stats,
+        token: CancellationToken,
+    ) -> Result<Self, ServiceError> {
+        if config.worker.migrate_on_start {
+            db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config))
+                .await?;
+        }
+        let tiers = config.tier_file()?.tiers;
+        // The worker's connections carry the AMQP heartbeat, so that the broker takes
+        // back a frozen worker's deliveries.
+        let broker = Endpoint {
+            url: config.broker.url_with_heartbeat(),
+            ..config.broker.endpoint()?
+        };
+        let w = &config.worker;
+        let health = Health::new(w.stall_limit);
+        let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());
+        let mut start = Starter {
+            supervisor: &mut supervisor,
+            broker,
+            health: health.clone(),
+        };
+        start.components(config, tiers, stats)?;
+        Ok(Self {
+            supervisor,
+            health,
+            drain: w.drain_timeout,
+        })
+    }
+
+    /// The components' health, for `GET /health` and `GET /livez`.
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+
+    /// Supervises one more task with the components (e.g. the metrics endpoint): it is
+    /// restarted on failure and stopped and drained with them.
+    pub fn supervise(&mut self, name: &'static str, factory: crate::runtime::supervisor::Factory) {
+        self.supervisor.add(name, factory);
+    }
+
+    /// Runs until the token is cancelled or a component fails fatally, then drains
+    /// within the limit.
+    pub async fn wait(mut self) -> Stopped {
+        let stop = self.supervisor.run().await;
+        let abandoned = self.supervisor.drain(self.drain).await;
+        Stopped { stop, abandoned }
+    }
+}
+
+/// Adds components to the supervisor: each one a factory that starts a fresh instance
+/// (with the broker endpoint and the health registry) for every (re)start.
+struct Starter<'a> {
+    supervisor: &'a mut Supervisor,
+    broker: Endpoint,
+    health: Health,
+}
+
+impl Starter<'_> {
+    /// Supervises `run` under `name`; each start gets clones of the endpoint and the
+    /// health registry and its own token.
+    fn add<F, Fut>(&mut self, name: &'static str, run: F)
+    where
+        F: Fn(Endpoint, Health, CancellationToken) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<(), crate::runtime::supervisor::Fatal>>
+            + Send
+            + 'static,
+    {
+        let (broker, health) = (self.broker.clone(), self.health.clone());
+        self.supervisor.add(
+            name,
+            Box::new(move |t| boxed(run(broker.clone(), health.clone(), t))),
+        );
+    }
+
+    /// The components `config` enables, each with its own connection pool.
+    // Over 60 lines on purpose: one short block per component.
+    fn components(
+        &mut self,
+        config: &Config,
+        tiers: TierSet,
+        stats: Stats,
+    ) -> Result<(), ServiceError> {
+        let w = &config.worker;
+        let pool = || db::pool(&config.database, config.database.pool_size);
+        // Shared by the consumer and the sweeper: both together stay under the limit.
+        let limiter = RateLimiter::new(w.closes_per_second);
+        if w.consumer {
+            let consumer = Consumer::new(
+                config,
+                pool()?,
+                tiers.clone(),
+                stats.clone(),
+                limiter.clone(),
+            );
+            self.add("consumer", move |b, h, t| consumer.clone().run(b, h, t));
+        }
+        if w.relay {
+            let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
+            let (db_url, poll) = (config.database.url.clone(), config.relay.poll_interval);
+            self.add("relay", move |b, h, t| {
+                relay.clone().run(b, db_url.clone(), poll, h, t)
+            });
+        }
+        if w.releaser {
+            let releaser = Releaser {
+                pool: pool()?,
+                names: config.names(),
+                stats: stats.clone(),
+                prefetch: w.prefetch,
+                batch_size: w.batch_size.min(usize::from(w.prefetch)),
+                batch_window: w.batch_window,
+            };
+            self.add("releaser", move |b, h, t| releaser.clone().run(b, h, t));
+        }
+        if w.sweeper {
+            let sweeper = Sweeper {
+                pool: pool()?,
+                stats,
+                config: config.sweeper.clone(),
+                limiter,
+                lock_timeout: config.database.lock_timeout,
+            };
+            self.add("sweeper", move |_, h, t| {
+                let sweeper = sweeper.clone();
+                async move {
+                    sweeper.run(h, t).await;
+                    Ok(())
+                }
+            });
+        }
+        if w.consumer || w.relay || w.releaser {
+            let names = config.names();
+            self.add(
+                crate::components::queue_gauges::COMPONENT,
+                move |b, h, t| {
+                    crate::components::queue_gauges::run(b, names.clone(), tiers.clone(), h, t)
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+fn boxed<F>(future: F) -> ComponentFuture
+where
+    F: std::future::Future<Output = Result<(), crate::runtime::supervisor::Fatal>> + Send + 'static,
+{
+    Box::pin(future)
+}
