@@ -18,6 +18,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::time::DelayQueue;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint};
+
+/// The longest a delivery is held before it is decided again. Well below RabbitMQ's
+/// default `consumer_timeout` (30 min), which would close the channel over a longer
+/// unacknowledged hold.
+pub const MAX_HOLD: Duration = Duration::from_secs(10 * 60);
 use crate::amqp::publishing::{PublishingConnection, parked_copy};
 use crate::runtime::health::{Busy, Health};
 
@@ -61,8 +66,12 @@ impl BatchSource {
     }
 
     /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`.
+    /// A hold is at most [`MAX_HOLD`]: a delivery handed out again earlier is only
+    /// decided once more (never closed early), while a deadline past what the delay
+    /// queue can hold would panic.
     pub fn hold(&mut self, delivery: Delivery, until: Instant) {
-        self.held.insert_at(delivery, until);
+        self.held
+            .insert_at(delivery, until.min(Instant::now() + MAX_HOLD));
     }
 
     /// How many deliveries are held.
@@ -178,13 +187,20 @@ impl ConsumerSession {
 }
 
 /// Acknowledges one delivery (every consumer acknowledges this way).
+/// An acker lapin reports as unusable (its channel is gone) is a lost connection: the
+/// session ends and the broker hands the delivery out again, instead of lapse counting
+/// it as done and publishing or parking it a second time.
 pub async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    delivery
+    let acked = delivery
         .acker
         .ack(BasicAckOptions::default())
         .await
-        .map(|_| ())
-        .map_err(BrokerError::amqp("basic.ack"))
+        .map_err(BrokerError::amqp("basic.ack"))?;
+    if acked {
+        Ok(())
+    } else {
+        Err(BrokerError::ConnectionLost)
+    }
 }
 
 impl ConsumerSession {

@@ -126,6 +126,7 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
             ("[relay]\npoll_interval = \"0s\"", "relay.poll_interval"),
             ("[relay]\npoll_interval = \"500us\"", "relay.poll_interval"),
             ("[worker]\nlock_retry = \"0s\"", "worker.lock_retry"),
+            ("[worker]\nlock_retry = \"3y\"", "worker.lock_retry"),
             ("[worker]\nstall_limit = \"0s\"", "worker.stall_limit"),
             (
                 "[database]\nstatement_timeout = \"0s\"",

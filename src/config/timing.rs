@@ -15,7 +15,14 @@ impl Config {
         let pg_max = Duration::from_millis(i32::MAX.unsigned_abs().into());
         within("relay.poll_interval", self.relay.poll_interval, ms, None)?;
         within("sweeper.interval", self.sweeper.interval, ms, None)?;
-        within("worker.lock_retry", self.worker.lock_retry, ms, None)?;
+        // A locked order's delivery is held this long; the broker closes a channel
+        // holding a delivery unacknowledged past its consumer_timeout (30 min).
+        within(
+            "worker.lock_retry",
+            self.worker.lock_retry,
+            ms,
+            Some(crate::amqp::batch::MAX_HOLD),
+        )?;
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
         // Shorter than a second, every shutdown would be abandoned (exit 1).
         let second = Duration::from_secs(1);

@@ -77,11 +77,25 @@ pub async fn serve(
             health,
             readiness,
         });
-    axum::serve(Shared(listener), app)
-        .with_graceful_shutdown(token.cancelled_owned())
-        .await
-        .map_err(|e| Fatal(format!("metrics endpoint: {e}")))
+    let server =
+        axum::serve(Shared(listener), app).with_graceful_shutdown(token.clone().cancelled_owned());
+    // A client that sent half a request and went silent would hold the graceful
+    // shutdown (and so the worker's exit) until the drain limit: after the grace, the
+    // remaining connections are dropped.
+    let grace = async {
+        token.cancelled().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => {
+            served.map_err(|e| Fatal(format!("metrics endpoint: {e}")))
+        }
+        () = grace => Ok(()),
+    }
 }
+
+/// How long requests in flight may finish after shutdown begins.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// What the handlers read.
 #[derive(Clone)]

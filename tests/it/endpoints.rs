@@ -134,3 +134,44 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
     worker.kill().await.unwrap();
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_client_gone_silent_mid_request_does_not_hold_the_worker_s_shutdown() {
+    use tokio::io::AsyncWriteExt;
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let port = free_port();
+    let mut worker = spawn_worker(&env, port, None);
+    eventually(Duration::from_secs(20), "a ready worker", || async {
+        let (status, _) = get(port, "/readyz").await?;
+        (status == 200).then_some(())
+    })
+    .await;
+    // Half a request (no blank line after the headers), then silence: a scraper whose
+    // host died mid-request.
+    let mut stalled = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    stalled
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: lapse\r\n")
+        .await
+        .unwrap();
+    stalled.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = worker.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    // The drain limit (10 s by default) bounds a shutdown; one that reaches it exits 1.
+    let status = tokio::time::timeout(Duration::from_secs(60), worker.wait())
+        .await
+        .expect("the worker exits")
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "a clean shutdown despite the silent client"
+    );
+    drop(stalled);
+}

@@ -40,7 +40,7 @@ impl Kept {
 
     /// True when something failed (the back-off then grows instead of resetting).
     pub fn failed(&self) -> bool {
-        self.failure.is_some()
+        self.failure.is_some() || !self.deliveries.is_empty()
     }
 
     /// Hands every kept delivery back to `source` when it is due to be decided again;
@@ -51,9 +51,15 @@ impl Kept {
         retry: &mut Backoff,
         read_at: Instant,
     ) -> usize {
-        let Some(error) = self.failure else {
+        if self.deliveries.is_empty() {
             return 0;
-        };
+        }
+        // Every kept delivery is held, also one whose reason was not recorded: dropping
+        // it would leave it unacknowledged, occupying prefetch until the session ends.
+        let error = self.failure.map_or_else(
+            || "kept without a recorded reason".to_string(),
+            |e| e.to_string(),
+        );
         let delay = retry.next_delay();
         let kept = self.deliveries.len();
         tracing::warn!(%error, deliveries = kept,

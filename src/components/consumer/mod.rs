@@ -304,15 +304,20 @@ impl Consumer {
         for ((delivery, p), result) in publishes.into_iter().zip(results) {
             match result {
                 Ok(()) => {
-                    ack(&delivery).await?;
+                    // The confirmed copy is in its tier whatever happens to this ack:
+                    // its hop is recorded even when the ack fails and the session ends.
+                    if let Some(hop) = p.hop {
+                        self.stats.hop(Some(hop.tier.as_str()));
+                        hops.push(hop);
+                    }
+                    if let Err(e) = ack(&delivery).await {
+                        self.record_hops(&hops).await;
+                        return Err(e);
+                    }
                     self.stats.record(p.outcome, 1);
                     if let Some(kind) = p.park {
                         tracing::warn!(reason = kind, "worker: parked a message");
                         self.stats.parked(kind);
-                    }
-                    if let Some(hop) = p.hop {
-                        self.stats.hop(Some(hop.tier.as_str()));
-                        hops.push(hop);
                     }
                     report.acked += 1;
                 }
