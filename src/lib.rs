@@ -42,6 +42,7 @@
 
 pub mod backoff;
 pub mod batch;
+pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod close;
