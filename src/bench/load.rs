@@ -125,7 +125,7 @@ pub async fn create_at(
     while left > 0 {
         let chunk = left.min(5_000) as i64;
         db.execute(
-            "SELECT count(lapse_create_order($1, $2::jsonb)) FROM generate_series(1, $3)",
+            "SELECT count(lapse_create_order($1, $2::jsonb)) FROM generate_series(1, $3::bigint)",
             &[&at, &lines, &chunk],
         )
         .await?;

@@ -43,7 +43,7 @@ pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<Scenario
         // Spread over an hour, six hours ahead: every order waits in a long tier.
         db.execute(
             "SELECT count(lapse_create_order(now() + interval '6 hours' + i * interval '3.6 ms', $1::jsonb))
-               FROM generate_series(1, $2) i",
+               FROM generate_series(1, $2::bigint) i",
             &[&lines, &chunk],
         )
         .await?;

@@ -93,6 +93,7 @@ impl Consumer {
                 retry_backoff: w.retry_backoff,
                 lock_retry: w.lock_retry,
                 lock_timeout: config.database.lock_timeout,
+                tier_tolerance: config.worker.tier_tolerance,
             },
             names,
             stats,
