@@ -30,6 +30,8 @@ pub struct BenchEnv {
     /// Topologies declared (lapse's and the raw scratch ones), deleted at cleanup.
     declared: Vec<Topology>,
     workers: Vec<Worker>,
+    /// The executable started as `lapse worker` (default: this one).
+    pub worker_exe: Option<PathBuf>,
 }
 
 /// A `lapse worker` child process (killed when dropped).
@@ -70,6 +72,7 @@ impl BenchEnv {
             conn,
             declared: Vec::new(),
             workers: Vec::new(),
+            worker_exe: None,
         };
         env.drop_database().await?;
         db::migrate_with_settings(&env.database_url, &db::Settings::from_config(&env.config))
@@ -105,7 +108,10 @@ impl BenchEnv {
     /// Starts a `lapse worker` on the benchmark's database and prefix; `env` adds
     /// configuration overrides (`LAPSE_WORKER__PREFETCH`, ...).
     pub fn start_worker(&mut self, env: &[(&str, String)]) -> anyhow::Result<u32> {
-        let exe = std::env::current_exe().context("cannot find the lapse executable")?;
+        let exe = match &self.worker_exe {
+            Some(exe) => exe.clone(),
+            None => std::env::current_exe().context("cannot find the lapse executable")?,
+        };
         let mut cmd = Command::new(exe);
         if let Some(file) = &self.config_file {
             cmd.arg("--config").arg(file);

@@ -116,17 +116,17 @@ pub async fn run(
     let drain_vs_raw = [("closes_per_s", "dead_letter_per_s")];
     if wanted(Scenario::Steady) {
         let mut s = steady::steady(env, &options.steady).await?;
-        s.compare(&raw, &[]);
+        s.compare(&raw, true, &[]);
         report.scenarios.push(s);
     }
     if wanted(Scenario::Burst) {
         let mut s = drain::burst(env, options.orders(20_000)).await?;
-        s.compare(&raw, &drain_vs_raw);
+        s.compare(&raw, false, &drain_vs_raw);
         report.scenarios.push(s);
     }
     if wanted(Scenario::Backlog) {
         let mut s = drain::backlog(env, options.orders(20_000), options.workers).await?;
-        s.compare(&raw, &drain_vs_raw);
+        s.compare(&raw, false, &drain_vs_raw);
         report.scenarios.push(s);
     }
     if wanted(Scenario::Pending) {
@@ -139,7 +139,7 @@ pub async fn run(
     }
     if wanted(Scenario::Crash) {
         let mut s = steady::crash(env, &options.steady, options.gap).await?;
-        s.compare(&raw, &[]);
+        s.compare(&raw, true, &[]);
         report.scenarios.push(s);
     }
     for s in &mut report.scenarios {

@@ -4,25 +4,29 @@
 use std::time::{Duration, Instant};
 
 use super::Meter;
-use super::cpu;
 use super::env::BenchEnv;
 use super::load::LINES;
 use super::progress::Progress;
 use super::report::{Lateness, ScenarioReport};
+use crate::management::Management;
 
-/// Resident memory of the broker's Erlang VM, in MiB (0 when not on this machine).
-fn broker_rss_mib() -> f64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0.0;
+/// Bytes the wait queues under the benchmark's prefix use, from the management API
+/// (`None` without `broker.management_url`). Its statistics are sampled every few
+/// seconds, so this waits for a fresh sample first.
+async fn wait_queue_bytes(env: &BenchEnv) -> anyhow::Result<Option<u64>> {
+    let Some(url) = &env.config.broker.management_url else {
+        return Ok(None);
     };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "beam.smp")
-        })
-        .filter_map(|pid| cpu::rss_mib(pid).map(|(rss, _)| rss))
-        .sum()
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let prefix = env.names.wait_queue_prefix();
+    let queues = Management::new(url)?.queues("/").await?;
+    Ok(Some(
+        queues
+            .iter()
+            .filter(|q| q.name.starts_with(&prefix))
+            .filter_map(|q| q.memory)
+            .sum(),
+    ))
 }
 
 pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<ScenarioReport> {
@@ -32,7 +36,7 @@ pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<Scenario
     let db = env.client().await?;
     env.start_ready(&[], 1).await?;
     let bytes_before = database_size(&db).await?;
-    let broker_before = broker_rss_mib();
+    let broker_before = wait_queue_bytes(env).await?;
     let meter = Meter::start(env);
     let started = Instant::now();
     let progress = Progress::new("pending: created", orders);
@@ -74,10 +78,12 @@ pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<Scenario
     db.batch_execute("CHECKPOINT").await.ok();
     let bytes = database_size(&db).await? - bytes_before;
     report.figure("db_bytes_per_order", bytes as f64 / orders as f64);
-    report.figure(
-        "broker_bytes_per_message",
-        (broker_rss_mib() - broker_before).max(0.0) * 1_048_576.0 / orders as f64,
-    );
+    if let (Some(before), Some(after)) = (broker_before, wait_queue_bytes(env).await?) {
+        report.figure(
+            "broker_bytes_per_message",
+            after.saturating_sub(before) as f64 / orders as f64,
+        );
+    }
     if let Some((rss, peak)) = env.worker_rss() {
         report.figure("worker_rss_mib", rss);
         report.figure("worker_peak_rss_mib", peak);

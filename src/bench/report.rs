@@ -61,9 +61,11 @@ impl CpuPerThousand {
                 (secs.max(0.0) * 1000.0 / units as f64 * 1000.0).round() / 1000.0
             }
         };
-        let (pg, mq) = (
-            after.postgres - before.postgres,
-            after.rabbitmq - before.rabbitmq,
+        // A service process that exits meanwhile takes its time with it: never below 0.
+        let (lapse, pg, mq) = (
+            lapse.max(0.0),
+            (after.postgres - before.postgres).max(0.0),
+            (after.rabbitmq - before.rabbitmq).max(0.0),
         );
         Self {
             lapse: per(lapse),
@@ -126,15 +128,16 @@ impl ScenarioReport {
             .insert(key.to_string(), (value * 1000.0).round() / 1000.0);
     }
 
-    /// Ratios of lateness and of the named figures against `raw`.
-    pub fn compare(&mut self, raw: &ScenarioReport, figures: &[(&str, &str)]) {
+    /// Ratios of the named figures against `raw`, and of lateness when `lateness`
+    /// (scenarios whose orders are due at their deadline, not overdue by design).
+    pub fn compare(&mut self, raw: &ScenarioReport, lateness: bool, figures: &[(&str, &str)]) {
         let mut put = |key: String, mine: f64, theirs: f64| {
             if theirs > 0.0 {
                 self.vs_raw
                     .insert(key, (mine / theirs * 100.0).round() / 100.0);
             }
         };
-        if self.lateness_ms.count > 0 {
+        if lateness && self.lateness_ms.count > 0 {
             put("p50".into(), self.lateness_ms.p50, raw.lateness_ms.p50);
             put("p99".into(), self.lateness_ms.p99, raw.lateness_ms.p99);
         }

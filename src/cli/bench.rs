@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// the end (default: lapse_bench_<pid>).
     #[arg(long, value_name = "DB", value_parser = database_name)]
     database: Option<String>,
+    /// Run this lapse executable as the worker instead of this one (to compare two
+    /// builds against the same load generator).
+    #[arg(long, value_name = "FILE")]
+    worker_exe: Option<PathBuf>,
     /// Print the report as JSON on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -153,7 +157,17 @@ pub async fn run(
             burst: args.raw_burst,
         },
     };
+    if let Some(exe) = &args.worker_exe
+        && !exe.is_file()
+    {
+        return Err(crate::config::ConfigError {
+            key: "--worker-exe".into(),
+            problem: format!("{} is not a file", exe.display()),
+        }
+        .into());
+    }
     let mut env = bench::env::BenchEnv::create(config, config_file, &prefix, &database).await?;
+    env.worker_exe = args.worker_exe.clone();
     let outcome = tokio::select! {
         r = bench::run(&mut env, args.scenario, &options) => Some(r),
         _ = tokio::signal::ctrl_c() => None,
