@@ -74,12 +74,22 @@ impl BenchEnv {
             workers: Vec::new(),
             worker_exe: None,
         };
-        env.drop_database().await?;
-        db::migrate_with_settings(&env.database_url, &db::Settings::from_config(&env.config))
+        // What a failed setup created is removed again before the error is returned.
+        match env.setup().await {
+            Ok(()) => Ok(env),
+            Err(e) => {
+                let _ = env.cleanup().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn setup(&mut self) -> anyhow::Result<()> {
+        self.drop_database().await?;
+        db::migrate_with_settings(&self.database_url, &db::Settings::from_config(&self.config))
             .await?;
-        let topology = Topology::new(&env.names, &env.tier_file);
-        env.declare(topology).await?;
-        Ok(env)
+        let topology = Topology::new(&self.names, &self.tier_file);
+        self.declare(topology).await
     }
 
     /// Declares a topology and remembers it for cleanup.
