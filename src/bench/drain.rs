@@ -34,7 +34,7 @@ pub async fn burst(env: &mut BenchEnv, orders: u64) -> anyhow::Result<ScenarioRe
     let ahead = Duration::from_millis(3_000 + orders / 4);
     let at = now + chrono::Duration::from_std(ahead)?;
     let progress = Progress::new("burst: created", orders);
-    load::create_at(&db, orders, at, &progress).await?;
+    load::create_at(&db, orders, Some(at), &progress).await?;
     progress.finish();
     let done: DateTime<Utc> = db.query_one("SELECT clock_timestamp()", &[]).await?.get(0);
     report.figure("created_before_deadline_s", (at - done).as_seconds_f64());
@@ -67,9 +67,8 @@ pub async fn backlog(
     env.reset().await?;
     let db = env.client().await?;
     let after = measure::last_id(&db).await?;
-    let now: DateTime<Utc> = db.query_one("SELECT now()", &[]).await?.get(0);
     let progress = Progress::new("backlog: created", orders);
-    load::create_at(&db, orders, now - chrono::Duration::seconds(2), &progress).await?;
+    load::create_at(&db, orders, None, &progress).await?;
     progress.finish();
     report.orders = orders;
     let meter = Meter::start(env);

@@ -113,11 +113,13 @@ pub async fn create(db: &Client, deadlines_ms: &[i32]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Creates `n` orders sharing the absolute deadline `at` (chunks of 5,000 per statement).
+/// Creates `n` orders sharing the absolute deadline `at` (chunks of 5,000 per
+/// statement), or, with `at` `None`, each chunk due 2 s before its statement began
+/// (already overdue, within what `lapse_create_order` accepts).
 pub async fn create_at(
     db: &Client,
     n: u64,
-    at: chrono::DateTime<chrono::Utc>,
+    at: Option<chrono::DateTime<chrono::Utc>>,
     progress: &Progress,
 ) -> anyhow::Result<()> {
     let lines = serde_json::from_str::<serde_json::Value>(LINES)?;
@@ -125,7 +127,8 @@ pub async fn create_at(
     while left > 0 {
         let chunk = left.min(5_000) as i64;
         db.execute(
-            "SELECT count(lapse_create_order($1, $2::jsonb)) FROM generate_series(1, $3::bigint)",
+            "SELECT count(lapse_create_order(coalesce($1, now() - interval '2 s'), $2::jsonb))
+               FROM generate_series(1, $3::bigint)",
             &[&at, &lines, &chunk],
         )
         .await?;
