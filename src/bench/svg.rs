@@ -30,14 +30,37 @@ pub fn write(report: &Report, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(written)
 }
 
+/// The empirical CDF, at most about 1,000 points (every k-th sample and the last), so
+/// a picture of 100,000 closes stays small.
 fn cdf(samples: &[f64]) -> Vec<(f64, f64)> {
     let mut v: Vec<f64> = samples.iter().map(|x| x.max(0.1)).collect();
     v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len() as f64;
+    let n = v.len();
+    let step = n.div_ceil(1_000).max(1);
     v.iter()
         .enumerate()
-        .map(|(i, x)| (*x, (i + 1) as f64 / n))
+        .filter(|(i, _)| i % step == 0 || *i + 1 == n)
+        .map(|(i, x)| (*x, (i + 1) as f64 / n as f64))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cdf_is_thinned_and_ends_at_one() {
+        let samples: Vec<f64> = (0..100_000).map(f64::from).collect();
+        let points = cdf(&samples);
+        assert!(points.len() <= 1_001, "{}", points.len());
+        assert_eq!(points.last(), Some(&(99_999.0, 1.0)));
+        assert!(
+            points
+                .windows(2)
+                .all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1)
+        );
+        assert_eq!(cdf(&[0.0]), vec![(0.1, 1.0)]);
+    }
 }
 
 fn lateness(path: &Path, s: &ScenarioReport, raw: Option<&ScenarioReport>) -> anyhow::Result<()> {
