@@ -44,25 +44,6 @@ fn cdf(samples: &[f64]) -> Vec<(f64, f64)> {
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_cdf_is_thinned_and_ends_at_one() {
-        let samples: Vec<f64> = (0..100_000).map(f64::from).collect();
-        let points = cdf(&samples);
-        assert!(points.len() <= 1_001, "{}", points.len());
-        assert_eq!(points.last(), Some(&(99_999.0, 1.0)));
-        assert!(
-            points
-                .windows(2)
-                .all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1)
-        );
-        assert_eq!(cdf(&[0.0]), vec![(0.1, 1.0)]);
-    }
-}
-
 fn lateness(path: &Path, s: &ScenarioReport, raw: Option<&ScenarioReport>) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_error)?;
@@ -140,4 +121,23 @@ fn closes(path: &Path, s: &ScenarioReport) -> anyhow::Result<()> {
 
 fn plot_error<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("cannot draw the picture: {e:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cdf_is_thinned_and_ends_at_one() {
+        let samples: Vec<f64> = (0..100_000).map(f64::from).collect();
+        let points = cdf(&samples);
+        assert!(points.len() <= 1_001, "{}", points.len());
+        assert_eq!(points.last(), Some(&(99_999.0, 1.0)));
+        assert!(
+            points
+                .windows(2)
+                .all(|w| w[0].0 <= w[1].0 && w[0].1 < w[1].1)
+        );
+        assert_eq!(cdf(&[0.0]), vec![(0.1, 1.0)]);
+    }
 }
