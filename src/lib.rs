@@ -64,6 +64,7 @@
 //!   lateness, missing releases; the problems `--check` reports and `--watch`'s drain rate.
 
 pub mod amqp;
+pub mod bench;
 pub mod cli;
 pub mod close;
 pub mod components;

@@ -126,6 +126,29 @@ impl Route {
         }
     }
 
+    /// Like [`Route::for_remaining`], with the hop-bounding slack capped by `cap`
+    /// (see [`TierSet::planned_hop`]).
+    pub fn planned(
+        names: &Names,
+        tiers: &TierSet,
+        remaining: std::time::Duration,
+        slack: std::time::Duration,
+        cap: std::time::Duration,
+    ) -> Self {
+        match tiers.planned_hop(remaining, slack, cap) {
+            NextHop::Wait(tier) => Self::tier(names, tier),
+            NextHop::Hold(_) | NextHop::Due => Self::due(names),
+        }
+    }
+
+    fn due(names: &Names) -> Self {
+        Self {
+            exchange: names.due_exchange(),
+            routing_key: DUE_ROUTING_KEY.to_string(),
+            tier: None,
+        }
+    }
+
     pub fn tier(names: &Names, tier: Tier) -> Self {
         Self {
             exchange: names.delay_exchange(),

@@ -144,6 +144,56 @@ impl TierSet {
             None => NextHop::Hold(remaining),
         }
     }
+
+    /// The next hop of a timeout with `remaining` time, with the hop-bounding slack:
+    /// `slack` is allowed unconditionally (the relay's own lag, see
+    /// [`TierSet::next_hop`]); beyond it, a tier up to [`hop_slack`]`(remaining, cap)`
+    /// longer than the remaining time is taken only when it saves hops, i.e. when
+    /// the exact plan of `remaining` without it needs two hops or more.
+    ///
+    /// Why: each hop arrives a few milliseconds after its TTL, so a deadline that is a
+    /// multiple of a tier lands just below that tier after the first hop and would
+    /// cascade through every smaller tier (3 days on the default tiers: 28 hops
+    /// instead of 3). The tier taken with this slack ends the chain: the message
+    /// arrives at most the slack (in practice the accumulated arrival lag) after the
+    /// deadline, instead of after more hops that each add their own lag.
+    pub fn planned_hop(&self, remaining: Duration, slack: Duration, cap: Duration) -> NextHop {
+        let plain = self.next_hop(remaining, slack);
+        let wider = self.next_hop(remaining, slack.max(hop_slack(remaining, cap)));
+        match (plain, wider) {
+            (NextHop::Wait(a), NextHop::Wait(b)) if b > a => self.choose(remaining, plain, wider),
+            (NextHop::Hold(_), NextHop::Wait(_)) => self.choose(remaining, plain, wider),
+            _ => plain,
+        }
+    }
+
+    fn choose(&self, remaining: Duration, plain: NextHop, wider: NextHop) -> NextHop {
+        if self.exact_hops(remaining) >= 2 {
+            wider
+        } else {
+            plain
+        }
+    }
+
+    /// Hops of the plan for `remaining` if every hop arrived exactly at its TTL: the
+    /// largest tier first, as often as it fits, then the next (the rest is held).
+    pub fn exact_hops(&self, remaining: Duration) -> u64 {
+        let mut left = remaining.as_millis();
+        let mut hops = 0u64;
+        for tier in self.0.iter().rev() {
+            let ms = u128::from(tier.ttl_ms());
+            hops = hops.saturating_add(u64::try_from(left / ms).unwrap_or(u64::MAX));
+            left %= ms;
+        }
+        hops
+    }
+}
+
+/// The hop-bounding slack for a re-delay with `remaining` time: 1% of it, at most
+/// `cap`. It grows with the remaining time so that a short remainder never takes a
+/// tier much longer than itself, and the cap keeps what it can add to lateness small.
+pub fn hop_slack(remaining: Duration, cap: Duration) -> Duration {
+    (remaining / 100).min(cap)
 }
 
 #[cfg(test)]
@@ -196,5 +246,149 @@ mod tests {
         // Below the smallest tier: hold.
         assert_eq!(set.next_hop(ms(1_000), tol), NextHop::Hold(ms(1_000)));
         assert_eq!(set.next_hop(Duration::ZERO, tol), NextHop::Due);
+    }
+}
+
+#[cfg(test)]
+mod hop_bound {
+    use super::*;
+
+    const CAP: Duration = Duration::from_millis(50);
+
+    /// Follows one deadline the way the relay (first hop, with its lag as slack) and
+    /// the worker (re-delays) decide, each hop arriving `drift` after its TTL. Returns
+    /// the hops and the lateness; a hold ends exactly at the deadline.
+    fn follow(
+        set: &TierSet,
+        deadline: Duration,
+        lag: Duration,
+        drift: &mut dyn FnMut() -> Duration,
+    ) -> (u64, Duration) {
+        let mut now = lag;
+        let mut hops = 0u64;
+        let relay_slack = (lag + Duration::from_millis(1)).min(CAP);
+        loop {
+            if now >= deadline {
+                return (hops, now - deadline);
+            }
+            let remaining = deadline - now;
+            let slack = if hops == 0 {
+                relay_slack
+            } else {
+                Duration::ZERO
+            };
+            match set.planned_hop(remaining, slack, CAP) {
+                NextHop::Wait(t) => {
+                    hops += 1;
+                    now += t.duration() + drift();
+                }
+                NextHop::Hold(r) => now += r,
+                NextHop::Due => unreachable!("due with {remaining:?} remaining"),
+            }
+            assert!(hops < 100_000, "no end for {deadline:?}");
+        }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn set(tiers: &[&str]) -> TierSet {
+        TierSet::new(tiers.iter().map(|t| Tier::parse(t).unwrap()).collect())
+    }
+
+    #[test]
+    fn the_issues_examples_take_the_fewest_hops() {
+        let default = set(&[
+            "1s", "5s", "15s", "1m", "5m", "15m", "30m", "1h", "6h", "24h",
+        ]);
+        let mut drift = || ms(4);
+        assert_eq!(follow(&default, ms(3 * 86_400_000), ms(3), &mut drift).0, 3);
+        let small = set(&["250ms", "1s", "2s", "5s"]);
+        assert_eq!(follow(&small, ms(10_000), ms(3), &mut drift).0, 2);
+        let docs = set(&["5m", "15m", "30m"]);
+        let (hops, late) = follow(&docs, ms(45 * 60_000), ms(3), &mut drift);
+        assert_eq!(hops, 2, "45 minutes: 30m then 15m");
+        // The relay's lag and each hop's arrival lag, nothing more.
+        assert!(late <= ms(3 + 4 + 4), "{late:?}");
+    }
+
+    #[test]
+    fn a_remainder_that_fits_exactly_is_held_not_stretched() {
+        let s = set(&["1s", "2s"]);
+        // 1.99 s: one exact hop (1 s) and a hold beat a 2 s hop that lands late.
+        assert_eq!(
+            s.planned_hop(ms(1_990), Duration::ZERO, CAP),
+            NextHop::Wait(Tier::parse("1s").unwrap())
+        );
+        // 999 ms: held, never stretched to the 1 s tier.
+        assert_eq!(
+            s.planned_hop(ms(999), Duration::ZERO, CAP),
+            NextHop::Hold(ms(999))
+        );
+        // 1% of the remaining time, at most the cap.
+        assert_eq!(hop_slack(ms(1_980), CAP), Duration::from_micros(19_800));
+        assert_eq!(hop_slack(ms(3_600_000), CAP), CAP);
+    }
+
+    /// Over many tier sets and deadlines, with arrival lag up to 10 ms per hop: never
+    /// early, late by at most the relay's lag, the slack cap and one hop's lag, and at
+    /// most tiers + 2 hops (plus one per extra largest-tier length) when each tier is
+    /// at most twice the one below it. With sparser tiers the exact plan itself can
+    /// use a tier many times (4.9 s on 1s/5s is four 1 s hops), so no tier-count
+    /// bound exists there; only safety is asserted for them.
+    #[test]
+    fn hops_are_bounded_and_nothing_is_early() {
+        let mut rng = fastrand::Rng::with_seed(12);
+        for round in 0..3_000u64 {
+            let dense = round % 2 == 0;
+            let n = rng.usize(1..=8);
+            let mut tiers = vec![rng.u64(100..5_000)];
+            for _ in 1..n {
+                let last = *tiers.last().unwrap();
+                let next = if dense {
+                    rng.u64(last + 1..=2 * last)
+                } else {
+                    rng.u64(last + 1..=10 * last)
+                };
+                tiers.push(next.min(MAX_TTL_MS));
+            }
+            let s = TierSet::new(
+                tiers
+                    .iter()
+                    .map(|t| Tier::from_duration(ms(*t)).unwrap())
+                    .collect(),
+            );
+            let largest = s.largest().duration();
+            for _ in 0..20 {
+                let deadline = match rng.u8(0..3) {
+                    // A multiple of a tier, or a sum of tiers: the cascading cases.
+                    0 => s.0[rng.usize(0..s.0.len())].duration() * rng.u32(1..4),
+                    1 => s.iter().filter(|_| rng.bool()).map(Tier::duration).sum(),
+                    _ => ms(rng.u64(0..3 * largest.as_millis() as u64)),
+                };
+                let lag = ms(rng.u64(0..60));
+                let max_drift = ms(10);
+                let mut drift = || ms(rng_drift(round));
+                let (hops, late) = follow(&s, deadline, lag, &mut drift);
+                assert!(
+                    late <= lag + CAP + max_drift,
+                    "{tiers:?} {deadline:?}: late {late:?}"
+                );
+                if dense {
+                    let extra = (deadline.as_millis() / largest.as_millis()) as u64;
+                    let bound = s.0.len() as u64 + 2 + extra;
+                    assert!(
+                        hops <= bound,
+                        "{tiers:?} {deadline:?}: {hops} hops > {bound}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Arrival lag of a hop: 0-10 ms (measured: a few ms), varying with the round.
+    fn rng_drift(round: u64) -> u64 {
+        (round * 7) % 11
     }
 }

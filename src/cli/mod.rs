@@ -6,6 +6,7 @@
 //! database or schema, an invalid deadline); 3 the broker or the database could not
 //! be reached. Each command's `--help` ends with examples and its exit statuses.
 
+mod bench;
 mod completions;
 mod demo;
 mod failure;
@@ -122,6 +123,9 @@ pub enum Command {
         #[command(subcommand)]
         action: parked::ParkedCommand,
     },
+    /// Measure lateness, throughput and CPU per order on these services, next to the
+    /// broker alone, in a database and broker prefix of its own.
+    Bench(bench::BenchArgs),
 }
 
 impl Cli {
@@ -156,6 +160,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),
         Command::Parked { action } => parked::run(&config, action).await,
+        Command::Bench(args) => bench::run(&config, cli.config.clone(), args).await,
     }
 }
 

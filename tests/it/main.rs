@@ -4,6 +4,7 @@
 
 mod alarm;
 mod backlog;
+mod bench;
 mod chain;
 mod cli_help;
 mod cli_orders;

@@ -54,6 +54,8 @@ pub struct Decider {
     pub lock_retry: Duration,
     /// Bound on waiting for any other lock in the close statement.
     pub lock_timeout: Duration,
+    /// Cap on the hop-bounding slack of a re-delay (`relay.tier_tolerance`).
+    pub tier_tolerance: Duration,
 }
 
 /// An order as the decision sees it. `expire_at` is an error (the reason) when the
@@ -216,9 +218,15 @@ impl Decider {
             };
         }
         let remaining = (expire_at - snap.db_now).to_std().unwrap_or_default();
-        // No slack here: a re-delay goes out right after the clock was read, and a
-        // tier longer than the remaining time would only make the close later.
-        let route = Route::for_remaining(&self.names, &self.tiers, remaining, Duration::ZERO);
+        // A re-delay goes out right after the clock was read: no slack for its own
+        // lag, only the hop-bounding slack where it saves hops (see TierSet::planned_hop).
+        let route = Route::planned(
+            &self.names,
+            &self.tiers,
+            remaining,
+            Duration::ZERO,
+            self.tier_tolerance,
+        );
         if route.tier.is_none() {
             return Action::Hold(remaining);
         }

@@ -24,6 +24,7 @@ fn decider() -> Decider {
         retry_backoff: Duration::from_millis(500),
         lock_retry: Duration::from_millis(500),
         lock_timeout: Duration::from_secs(5),
+        tier_tolerance: Duration::from_millis(50),
     }
 }
 

@@ -130,6 +130,7 @@ impl Consumer {
                 retry_backoff: w.retry_backoff,
                 lock_retry: w.lock_retry,
                 lock_timeout: config.database.lock_timeout,
+                tier_tolerance: config.relay.tier_tolerance,
             },
             names,
             stats,

@@ -161,9 +161,11 @@ impl Relay {
             Ok(mut message) => {
                 let remaining = message.remaining(db_now);
                 let slack = self.slack(lag);
-                let route = Route::for_remaining(&self.names, &self.tiers, remaining, slack);
+                let route =
+                    Route::planned(&self.names, &self.tiers, remaining, slack, self.tolerance);
                 message.hops = u32::from(route.tier.is_some());
-                // The chosen tier fits while remaining + slack >= tier.
+                // The chosen tier fits while remaining + slack >= tier (a tier taken
+                // with the hop-bounding slack is re-planned at once when it is late).
                 let reroute_after = route
                     .tier
                     .map(|t| (remaining + slack).saturating_sub(t.duration()));

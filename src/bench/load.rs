@@ -1,0 +1,139 @@
+//! Creating orders the way an application does: `lapse_create_order` inside its own
+//! statement, from several connections, at a constant rate.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use super::env::BenchEnv;
+use super::progress::Progress;
+
+/// Orders per statement, as an application batching a little would send them.
+pub const PER_STATEMENT: usize = 5;
+
+/// One line of stock per order, from the benchmark's own SKU.
+pub const LINES: &str = r#"[{"sku": "bench", "qty": 1}]"#;
+
+/// A constant-rate order generator.
+#[derive(Clone, Debug)]
+pub struct Steady {
+    pub rate: u32,
+    pub duration: Duration,
+    pub connections: usize,
+    /// Deadlines after creation, cycled through.
+    pub deadlines: Vec<Duration>,
+}
+
+impl Steady {
+    pub fn total(&self) -> u64 {
+        (f64::from(self.rate) * self.duration.as_secs_f64()).round() as u64
+    }
+
+    /// Runs the generator to the end; returns the orders created.
+    /// Opens the generator's connections (before the clock starts).
+    pub async fn connect(&self, env: &BenchEnv) -> anyhow::Result<Vec<Client>> {
+        let mut clients = Vec::with_capacity(self.connections);
+        for _ in 0..self.connections {
+            clients.push(env.client().await?);
+        }
+        Ok(clients)
+    }
+
+    /// Runs the generator on `clients` to the end; returns the orders created.
+    pub async fn run(&self, clients: Vec<Client>, progress: &Progress) -> anyhow::Result<u64> {
+        let total = self.total();
+        let statements = total.div_ceil(PER_STATEMENT as u64);
+        let per_connection = statements.div_ceil(self.connections as u64);
+        let period = Duration::from_secs_f64(
+            PER_STATEMENT as f64 * self.connections as f64 / f64::from(self.rate),
+        );
+        let deadlines: Arc<Vec<i32>> = Arc::new(
+            self.deadlines
+                .iter()
+                .map(|d| d.as_millis().min(i32::MAX as u128) as i32)
+                .collect(),
+        );
+        let created = Arc::new(AtomicU64::new(0));
+        let mut tasks = Vec::new();
+        for (c, db) in clients.into_iter().enumerate() {
+            let deadlines = deadlines.clone();
+            let created = created.clone();
+            let stagger = period.mul_f64(c as f64 / self.connections as f64);
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(stagger).await;
+                let mut tick = tokio::time::interval(period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                for s in 0..per_connection {
+                    if created.load(Ordering::Relaxed) >= total {
+                        break;
+                    }
+                    tick.tick().await;
+                    let n = PER_STATEMENT.min((total - created.load(Ordering::Relaxed)) as usize);
+                    let ds: Vec<i32> = (0..n)
+                        .map(|i| deadlines[(c + s as usize * PER_STATEMENT + i) % deadlines.len()])
+                        .collect();
+                    create(&db, &ds).await?;
+                    created.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                anyhow::Ok(())
+            }));
+        }
+        let watcher = {
+            let created = created.clone();
+            let bar = progress.clone_handle();
+            tokio::spawn(async move {
+                loop {
+                    bar.set_position(created.load(Ordering::Relaxed));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        };
+        for t in tasks {
+            t.await??;
+        }
+        watcher.abort();
+        Ok(created.load(Ordering::Relaxed))
+    }
+}
+
+/// Creates one order per deadline (milliseconds from the statement's clock) in one
+/// statement.
+pub async fn create(db: &Client, deadlines_ms: &[i32]) -> anyhow::Result<()> {
+    db.execute(
+        "SELECT count(lapse_create_order(clock_timestamp() + d * interval '1 ms', $2::jsonb))
+           FROM unnest($1::int[]) d",
+        &[
+            &deadlines_ms,
+            &serde_json::from_str::<serde_json::Value>(LINES)?,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Creates `n` orders sharing the absolute deadline `at` (chunks of 5,000 per
+/// statement), or, with `at` `None`, each chunk due 2 s before its statement began
+/// (already overdue, within what `lapse_create_order` accepts).
+pub async fn create_at(
+    db: &Client,
+    n: u64,
+    at: Option<chrono::DateTime<chrono::Utc>>,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let lines = serde_json::from_str::<serde_json::Value>(LINES)?;
+    let mut left = n;
+    while left > 0 {
+        let chunk = left.min(5_000) as i64;
+        db.execute(
+            "SELECT count(lapse_create_order(coalesce($1, now() - interval '2 s'), $2::jsonb))
+               FROM generate_series(1, $3::bigint)",
+            &[&at, &lines, &chunk],
+        )
+        .await?;
+        left -= chunk as u64;
+        progress.inc(chunk as u64);
+    }
+    Ok(())
+}

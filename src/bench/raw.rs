@@ -1,0 +1,215 @@
+//! `raw`: the broker alone, through the shape lapse gives it — publish with confirms
+//! to a quorum wait queue with a queue TTL, at-least-once dead-lettering into a quorum
+//! due queue, consume, ack — and no database. Two phases: paced messages on a 1 s tier
+//! (their lateness is the floor any timer on this broker pays), then a burst on a tier
+//! long enough to hold the whole burst (the dead-letter rate the broker sustains).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::sync::mpsc;
+
+use super::cpu;
+use super::env::BenchEnv;
+use super::progress::Progress;
+use super::report::{CpuPerThousand, Lateness, ScenarioReport};
+use crate::amqp::topology::{Names, TierFile, Topology};
+use crate::tier::{Tier, TierSet};
+
+/// How the raw phases run.
+#[derive(Clone, Copy, Debug)]
+pub struct RawOptions {
+    /// Paced messages per second, and for how long.
+    pub rate: u32,
+    pub duration: Duration,
+    /// Messages in the burst phase.
+    pub burst: u64,
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos()
+}
+
+pub async fn run(env: &mut BenchEnv, options: RawOptions) -> anyhow::Result<ScenarioReport> {
+    let started = Instant::now();
+    let mut report = ScenarioReport::new("raw");
+    report.param("rate", options.rate);
+    report.param("duration", humantime::format_duration(options.duration));
+    report.param("burst", options.burst);
+    let paced_tier = Tier::from_duration(Duration::from_secs(1))?;
+    // Long enough that the publisher finishes before the first message expires
+    // (assuming at least 5,000 confirmed publishes per second).
+    let burst_tier = Tier::from_duration(Duration::from_secs(2 + options.burst / 5_000))?;
+    let names = Names::new(format!("{}-raw", env.names.prefix));
+    let file = TierFile {
+        tiers: TierSet::new(vec![paced_tier, burst_tier]),
+        delivery_limit: 10,
+        max_length: None,
+    };
+    env.declare(Topology::new(&names, &file)).await?;
+
+    let conn = super::env::connect(env, "lapse bench raw").await?;
+    let consumer_conn = super::env::connect(env, "lapse bench raw consumer").await?;
+    let (tx, mut rx) = mpsc::unbounded_channel::<(u8, f64, u128)>();
+    let consume = consumer_conn.create_channel().await?;
+    consume.basic_qos(1000, BasicQosOptions::default()).await?;
+    let mut consumer = consume
+        .basic_consume(
+            names.due_queue().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(delivery)) = consumer.next().await {
+            let arrived = now_ns();
+            let text = String::from_utf8_lossy(&delivery.data).to_string();
+            let mut parts = text.split(' ');
+            let phase = parts.next().and_then(|p| p.parse::<u8>().ok()).unwrap_or(9);
+            let due = parts
+                .next()
+                .and_then(|p| p.parse::<u128>().ok())
+                .unwrap_or(arrived);
+            let late_ms = (arrived as f64 - due as f64) / 1e6;
+            let _ = delivery.ack(BasicAckOptions::default()).await;
+            if tx.send((phase, late_ms, arrived)).is_err() {
+                break;
+            }
+        }
+    });
+
+    let cpu_before = cpu::sample();
+    let me_before = cpu::of_pid(std::process::id());
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    let exchange = names.delay_exchange();
+    let paced_total = (u64::from(options.rate) * options.duration.as_millis() as u64 / 1000).max(1);
+    let progress = Progress::new("raw: paced", paced_total);
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(options.rate)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut confirms = Vec::new();
+    for _ in 0..paced_total {
+        tick.tick().await;
+        let body = format!("0 {}", now_ns() + paced_tier.duration().as_nanos());
+        let channel = channel.clone();
+        let (exchange, key) = (exchange.clone(), paced_tier.name());
+        confirms.push(tokio::spawn(async move {
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    key.as_str().into(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    BasicProperties::default(),
+                )
+                .await?
+                .await
+        }));
+        progress.inc(1);
+    }
+    for c in confirms {
+        c.await??;
+    }
+    let mut received: HashMap<u8, Vec<(f64, u128)>> = HashMap::new();
+    collect(
+        &mut rx,
+        &mut received,
+        0,
+        paced_total,
+        Duration::from_secs(30),
+    )
+    .await;
+    progress.finish();
+
+    let progress = Progress::new("raw: burst", options.burst);
+    let mut pending = Vec::with_capacity(1000);
+    for _ in 0..options.burst {
+        let body = format!("1 {}", now_ns() + burst_tier.duration().as_nanos());
+        pending.push(
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    burst_tier.name().as_str().into(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    BasicProperties::default(),
+                )
+                .await?,
+        );
+        if pending.len() == 1000 {
+            for c in pending.drain(..) {
+                c.await?;
+            }
+            progress.inc(1000);
+        }
+    }
+    for c in pending.drain(..) {
+        c.await?;
+    }
+    let limit = burst_tier.duration() + Duration::from_secs(30 + options.burst / 1000);
+    collect(&mut rx, &mut received, 1, options.burst, limit).await;
+    progress.finish();
+    let me = cpu::of_pid(std::process::id()) - me_before;
+    let cpu_after = cpu::sample();
+    reader.abort();
+    let _ = conn.close(200, "done".into()).await;
+    let _ = consumer_conn.close(200, "done".into()).await;
+
+    let paced = received.remove(&0).unwrap_or_default();
+    let burst = received.remove(&1).unwrap_or_default();
+    report.orders = paced_total + options.burst;
+    report.lost = paced_total.saturating_sub(paced.len() as u64)
+        + options.burst.saturating_sub(burst.len() as u64);
+    let mut lateness: Vec<f64> = paced.iter().map(|(l, _)| *l).collect();
+    report.early = lateness.iter().filter(|l| **l < 0.0).count() as u64;
+    report.lateness_ms = Lateness::of(&mut lateness);
+    report.samples = lateness;
+    report.figure("paced_per_s", f64::from(options.rate));
+    let mut arrivals: Vec<u128> = burst.iter().map(|(_, a)| *a).collect();
+    arrivals.sort();
+    if let (Some(first), Some(last)) = (arrivals.first(), arrivals.last()) {
+        let span = (*last - *first) as f64 / 1e9;
+        if span > 0.0 {
+            report.figure("dead_letter_per_s", (arrivals.len() - 1) as f64 / span);
+        }
+        report.closes_per_s = arrivals.iter().fold(Vec::new(), |mut b: Vec<f64>, a| {
+            let i = ((*a - *first) / 100_000_000) as usize;
+            if b.len() <= i {
+                b.resize(i + 1, 0.0);
+            }
+            b[i] += 10.0;
+            b
+        });
+    }
+    report.cpu_per_1000 = CpuPerThousand::between(cpu_before, cpu_after, me, report.orders);
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.load_average = cpu::load_average();
+    Ok(report)
+}
+
+/// Receives until `want` messages of `phase` arrived or `limit` passed.
+async fn collect(
+    rx: &mut mpsc::UnboundedReceiver<(u8, f64, u128)>,
+    received: &mut HashMap<u8, Vec<(f64, u128)>>,
+    phase: u8,
+    want: u64,
+    limit: Duration,
+) {
+    let until = tokio::time::Instant::now() + limit;
+    while (received.get(&phase).map_or(0, Vec::len) as u64) < want {
+        match tokio::time::timeout_at(until, rx.recv()).await {
+            Ok(Some((p, late, at))) => received.entry(p).or_default().push((late, at)),
+            _ => return,
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! `lapse bench` at a small size: it keeps the promises (0 early, nothing lost), its
+//! report is well-formed JSON, it writes its pictures, and it removes its own
+//! database and queues. Never a time or a rate: those depend on the machine.
+
+use lapse::amqp::management::Management;
+use lapse::config::Secret;
+
+use crate::helpers::{
+    amqp_url, database_url, drop_database, management_url, run_lapse, stderr, stdout, unique,
+};
+
+/// Removes whatever a failed run might have left (the command cleans up itself; this
+/// runs also when an assertion fails).
+struct Leftovers {
+    prefix: String,
+    database: String,
+}
+
+impl Leftovers {
+    async fn names(&self) -> (Vec<String>, bool) {
+        let queues = Management::new(&Secret::new(management_url()))
+            .unwrap()
+            .queues("/")
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|q| q.name)
+            .filter(|n| n.starts_with(&self.prefix))
+            .collect();
+        let (client, connection) =
+            tokio_postgres::connect(&database_url("postgres"), tokio_postgres::NoTls)
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        let exists = client
+            .query_opt(
+                "SELECT 1 FROM pg_database WHERE datname = $1",
+                &[&self.database],
+            )
+            .await
+            .unwrap()
+            .is_some();
+        (queues, exists)
+    }
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        let (prefix, database) = (self.prefix.clone(), self.database.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                drop_database(&database).await;
+                let Ok(conn) =
+                    lapse::amqp::broker::connect(&Secret::new(amqp_url()), "test cleanup").await
+                else {
+                    return;
+                };
+                let queues = Management::new(&Secret::new(management_url()))
+                    .unwrap()
+                    .queues("/")
+                    .await
+                    .unwrap_or_default();
+                for q in queues.into_iter().filter(|q| q.name.starts_with(&prefix)) {
+                    if let Ok(ch) = conn.create_channel().await {
+                        let _ = ch
+                            .queue_delete(q.name.as_str().into(), Default::default())
+                            .await;
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_steady_run_closes_everything_never_early_and_cleans_up() {
+    let guard = Leftovers {
+        prefix: unique("bench"),
+        database: unique("bench"),
+    };
+    let svg = tempfile::tempdir().unwrap();
+    let admin = database_url("postgres");
+    let amqp = amqp_url();
+    let out = run_lapse(
+        &[
+            "bench",
+            "steady",
+            "--rate",
+            "40",
+            "--duration",
+            "2s",
+            "--deadlines",
+            "1s,1500ms,2s,3s",
+            "--raw-duration",
+            "1s",
+            "--raw-burst",
+            "300",
+            "--prefix",
+            &guard.prefix,
+            "--database",
+            &guard.database,
+            "--json",
+            "--svg",
+            svg.path().to_str().unwrap(),
+        ],
+        &[
+            ("LAPSE_DATABASE__URL", admin.as_str()),
+            ("LAPSE_BROKER__URL", amqp.as_str()),
+            ("LAPSE_LOG", "warn"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("JSON report");
+    let scenarios = report["scenarios"].as_array().expect("scenarios");
+    let names: Vec<&str> = scenarios
+        .iter()
+        .filter_map(|s| s["scenario"].as_str())
+        .collect();
+    assert_eq!(names, ["raw", "steady"]);
+    for s in scenarios {
+        assert_eq!(s["early"], 0, "{s}");
+        assert_eq!(s["lost"], 0, "{s}");
+        for key in ["p50", "p90", "p99", "p999", "max"] {
+            assert!(
+                s["lateness_ms"][key].as_f64().is_some_and(|v| v >= 0.0),
+                "{s}"
+            );
+        }
+        assert!(s["cpu_per_1000"]["total"].as_f64().is_some(), "{s}");
+    }
+    let steady = &scenarios[1];
+    assert_eq!(steady["orders"], 80);
+    assert_eq!(steady["lateness_ms"]["count"], 80, "every order closed");
+    let hops: u64 = steady["hops"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(hops, 80);
+    assert!(steady["vs_raw"]["p99"].as_f64().is_some(), "{steady}");
+    for file in [
+        "raw-lateness.svg",
+        "steady-lateness.svg",
+        "steady-closes.svg",
+    ] {
+        let text = std::fs::read_to_string(svg.path().join(file)).expect(file);
+        assert!(text.contains("<svg"), "{file} is not an SVG");
+    }
+    let (queues, database) = guard.names().await;
+    assert!(queues.is_empty(), "queues left behind: {queues:?}");
+    assert!(!database, "database left behind");
+}
+
+#[test]
+fn bad_values_are_usage_errors_naming_the_option() {
+    for (args, named) in [
+        (&["bench", "steady", "--rate", "0"][..], "--rate"),
+        (&["bench", "steady", "--duration", "soon"][..], "--duration"),
+        (&["bench", "crash", "--gap", "0s"][..], "--gap"),
+        (
+            &["bench", "steady", "--deadlines", "1s,,2s"][..],
+            "--deadlines",
+        ),
+        (&["bench", "backlog", "--workers", "0"][..], "--workers"),
+        (
+            &["bench", "steady", "--database", "Bad-Name"][..],
+            "--database",
+        ),
+        (&["bench", "sideways"][..], "SCENARIO"),
+    ] {
+        let out = run_lapse(args, &[]);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(named), "{args:?}: {}", stderr(&out));
+    }
+}
