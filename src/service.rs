@@ -71,10 +71,8 @@ impl Service {
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.
-        let broker = Endpoint {
-            url: config.broker.url_with_heartbeat(),
-            ..Endpoint::from_config(&config.broker)?
-        };
+        let broker =
+            Endpoint::from_config(&config.broker)?.with_url(config.broker.url_with_heartbeat());
         let w = &config.worker;
         let pool = || db::pool(&config.database, config.database.pool_size);
         let health = Health::new(w.stall_limit);

@@ -16,7 +16,10 @@ use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKind};
 
+mod addresses;
 mod publisher;
+
+pub use addresses::{join as join_addresses, split as split_addresses};
 
 pub use publisher::Publisher;
 
@@ -95,13 +98,15 @@ impl crate::backoff::SessionError for BrokerError {
 /// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// How lapse reaches the broker: the URL, the TLS material for `amqps://` and the
-/// confirm timeout of its publishers.
+/// How lapse reaches the broker: the URL (one address or several, comma-separated),
+/// the TLS material for `amqps://` and the confirm timeout of its publishers.
+/// Clones share which address worked last (see [`addresses`]).
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     pub url: Secret,
     pub tls: TlsFiles,
     pub confirm_timeout: Duration,
+    cursor: addresses::Cursor,
 }
 
 impl Endpoint {
@@ -111,7 +116,13 @@ impl Endpoint {
             url,
             tls: TlsFiles::default(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            cursor: addresses::Cursor::default(),
         }
+    }
+
+    /// The same endpoint with another `url` (e.g. with a heartbeat added).
+    pub fn with_url(self, url: Secret) -> Self {
+        Self { url, ..self }
     }
 
     /// The `[broker]` section: URL, `tls.*` files (read now) and `confirm_timeout`.
@@ -125,15 +136,41 @@ impl Endpoint {
                 t.key_file.as_deref(),
             )?,
             confirm_timeout: broker.confirm_timeout,
+            cursor: addresses::Cursor::default(),
         })
     }
 
-    /// Opens a connection named `name` (shown in the management UI).
+    /// Opens a connection named `name` (shown in the management UI) to the first
+    /// address that answers, starting at the one that worked last; the error of the
+    /// last address tried when none does.
     pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
+        let all = addresses::split(&self.url);
+        let mut last = None;
+        for index in self.cursor.order(all.len()) {
+            match self.connect_to(&all[index], name).await {
+                Ok(conn) => {
+                    self.cursor.worked(index);
+                    return Ok(conn);
+                }
+                Err(e) => {
+                    if all.len() > 1 {
+                        tracing::warn!(address = %shown_address(&all[index]), error = %e, "broker node did not accept a connection; trying the next");
+                    }
+                    if crate::backoff::SessionError::is_fatal(&e) {
+                        return Err(e);
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(BrokerError::ConnectionLost))
+    }
+
+    async fn connect_to(&self, url: &Secret, name: &str) -> Result<Connection, BrokerError> {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
         DefaultConnectionBuilder::new()
             .map_err(BrokerError::Connect)?
-            .with_uri_str(self.url.expose().to_string())
+            .with_uri_str(url.expose().to_string())
             .with_properties(properties)
             .with_tls_config(self.tls.amqp())
             .connect()
@@ -221,21 +258,28 @@ pub fn not_found(err: &lapin::Error) -> bool {
     matches!(soft_error(err), Some((AMQPSoftError::NOTFOUND, _)))
 }
 
-/// The virtual host named by an AMQP URL (`/` when the URL names none).
+/// The virtual host named by an AMQP URL (`/` when the URL names none); of the first
+/// address when `url` names several (validation makes them agree).
 pub fn vhost(url: &Secret) -> String {
     use std::str::FromStr;
-    lapin::uri::AMQPUri::from_str(url.expose())
+    let first = addresses::split(url).swap_remove(0);
+    lapin::uri::AMQPUri::from_str(first.expose())
         .map(|u| u.vhost)
         .unwrap_or_else(|_| "/".to_string())
 }
 
-/// `host:port` of an AMQP URL, without credentials, for messages.
+/// `host:port` of an AMQP URL, without credentials, for messages (`h1:p1, h2:p2`
+/// when `url` names several addresses).
 pub fn shown_address(url: &Secret) -> String {
     use std::str::FromStr;
-    match lapin::uri::AMQPUri::from_str(url.expose()) {
-        Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
-        Err(_) => "(broker.url)".to_string(),
-    }
+    addresses::split(url)
+        .iter()
+        .map(|a| match lapin::uri::AMQPUri::from_str(a.expose()) {
+            Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
+            Err(_) => "(broker.url)".to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Closes a connection at the end of a session without ever hanging on a connection
