@@ -40,6 +40,20 @@ pub struct QueueInfo {
     pub effective_policy_definition: Option<Value>,
     #[serde(default)]
     pub messages: Option<u64>,
+    /// Quorum queues: the nodes holding a replica, those online, and the leader.
+    #[serde(default)]
+    pub members: Option<Vec<String>>,
+    #[serde(default)]
+    pub online: Option<Vec<String>>,
+    #[serde(default)]
+    pub leader: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct NodeInfo {
+    pub name: String,
+    #[serde(default)]
+    pub running: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -237,6 +251,11 @@ impl Management {
                 status,
             }),
         }
+    }
+
+    /// Every node of the cluster, running or not.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>, ManagementError> {
+        Ok(self.get(&["nodes"]).await?.unwrap_or_default())
     }
 
     pub async fn feature_flags(&self) -> Result<Vec<FeatureFlag>, ManagementError> {

@@ -13,9 +13,10 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::apply::{Declared, declare_exchange, declare_queue};
-use super::{ArgValue, Topology};
+use super::{ArgValue, GROUP_SIZE_ARG, Topology};
 use crate::broker::BrokerError;
 use crate::management::Management;
+use crate::management::QueueInfo;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -220,8 +221,10 @@ async fn verify_with_management(
                 continue;
             }
         };
+        replicas(report, &q.name, &info, topology.group_size);
         let mut problems = Vec::new();
-        for (key, want) in &q.arguments {
+        // The group size is checked as live members (see `replicas`), not as an argument.
+        for (key, want) in q.arguments.iter().filter(|(k, _)| *k != GROUP_SIZE_ARG) {
             let have = info.arguments.get(key);
             if !same_value(want, have) {
                 problems.push(format!("{key}: wants {want}, has {}", shown(have)));
@@ -230,7 +233,7 @@ async fn verify_with_management(
         for key in info
             .arguments
             .keys()
-            .filter(|k| !q.arguments.contains_key(*k))
+            .filter(|k| !q.arguments.contains_key(*k) && *k != GROUP_SIZE_ARG)
         {
             problems.push(format!(
                 "{key}: unexpected, has {}",
@@ -298,6 +301,45 @@ async fn verify_with_management(
             Err(e) => report.push(&subject, "binding", CheckStatus::Failed, e.to_string()),
         }
     }
+}
+
+/// Members per quorum queue: fewer than `target` (the group size lapse wants), or a
+/// member offline, is a queue that would lose its majority sooner than planned.
+fn replicas(report: &mut VerifyReport, queue: &str, info: &QueueInfo, target: Option<u32>) {
+    let Some(members) = &info.members else {
+        return; // not a quorum queue (reported by the argument check) or an old API
+    };
+    let online = info.online.clone().unwrap_or_default();
+    let offline: Vec<&str> = members
+        .iter()
+        .filter(|m| !online.contains(m))
+        .map(String::as_str)
+        .collect();
+    let leader = info.leader.as_deref().unwrap_or("(none)");
+    let mut detail = format!(
+        "{} members ({}), leader {leader}",
+        members.len(),
+        members.join(", ")
+    );
+    if let Some(target) = target {
+        detail.push_str(&format!(", target {target}"));
+    }
+    let below = target.is_some_and(|t| (members.len() as u32) < t);
+    if below {
+        detail.push_str(&format!(
+            "; below target: add replicas with `rabbitmq-queues grow <node> all` or \
+             `rabbitmq-queues add_member {queue} <node>`"
+        ));
+    }
+    if !offline.is_empty() {
+        detail.push_str(&format!("; offline: {}", offline.join(", ")));
+    }
+    let status = if below || !offline.is_empty() {
+        CheckStatus::Failed
+    } else {
+        CheckStatus::Ok
+    };
+    report.push(queue, "replicas", status, detail);
 }
 
 fn same_value(want: &ArgValue, have: Option<&Value>) -> bool {
