@@ -63,7 +63,7 @@ EOF
     RABBITMQ_PID_FILE="$d/pid" \
     RABBITMQ_CONFIG_FILE="$d/rabbitmq.conf" \
     RABBITMQ_ENABLED_PLUGINS_FILE="$d/enabled_plugins" \
-    "$BIN/rabbitmq-server" -detached)
+    "$BIN/rabbitmq-server" -detached >"$d/start.out" 2>&1)
 }
 
 await() { # I
@@ -74,6 +74,7 @@ await() { # I
   done
   log "node $(node "$i") did not start; log tail:"
   tail -n 30 "$DIR/node-$i/log/$(node "$i").log" >&2 || true
+  cat "$DIR/node-$i/start.out" >&2 || true
   return 1
 }
 
@@ -128,9 +129,13 @@ status() { # N
 # process and no epmd registration stays behind.
 node_stop() { # I
   local i=$1 pid
-  ctl "$i" stop --timeout 60 >/dev/null 2>&1 || true
   pid=$(cat "$DIR/node-$i/pid" 2>/dev/null || true)
-  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+  if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then return 0; fi # not running
+  # With the pid file, `stop` returns only once the process has exited (and left
+  # epmd), so the node can be started again at once.
+  timeout 90 env HOME="$DIR/home" "$BIN/rabbitmqctl" -n "$(node "$i")" stop --timeout 60 \
+    "$DIR/node-$i/pid" >/dev/null 2>&1 || true
+  if kill -0 "$pid" 2>/dev/null; then
     log "node $(node "$i") did not stop; killing pid $pid"
     kill -9 "$pid" 2>/dev/null || true
   fi

@@ -41,12 +41,33 @@ pub struct QueueInfo {
     #[serde(default)]
     pub messages: Option<u64>,
     /// Quorum queues: the nodes holding a replica, those online, and the leader.
-    #[serde(default)]
+    /// Read leniently: while a member is away the API may show other shapes here,
+    /// which must not make the whole queue unreadable.
+    #[serde(default, deserialize_with = "names")]
     pub members: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "names")]
     pub online: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "name")]
     pub leader: Option<String>,
+}
+
+fn names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    Ok(match Value::deserialize(d)? {
+        Value::Array(items) => Some(
+            items
+                .into_iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+        ),
+        _ => None,
+    })
+}
+
+fn name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Value::deserialize(d)? {
+        Value::String(s) if !s.is_empty() => Some(s),
+        _ => None,
+    })
 }
 
 #[derive(Debug, Deserialize)]

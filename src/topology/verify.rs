@@ -213,7 +213,7 @@ async fn verify_with_management(
         ),
     }
     for q in &topology.queues {
-        let info = match m.queue(vhost, &q.name).await {
+        let info = match queue_info(m, vhost, &q.name).await {
             Ok(Some(info)) => info,
             Ok(None) => continue, // already reported missing over AMQP
             Err(e) => {
@@ -299,6 +299,25 @@ async fn verify_with_management(
                 format!("missing binding with key `{}`", b.routing_key),
             ),
             Err(e) => report.push(&subject, "binding", CheckStatus::Failed, e.to_string()),
+        }
+    }
+}
+
+/// One queue's details; a failed request is tried twice more (a cluster node that
+/// just went away can make one answer fail).
+async fn queue_info(
+    m: &Management,
+    vhost: &str,
+    name: &str,
+) -> Result<Option<QueueInfo>, crate::management::ManagementError> {
+    let mut tries = 0;
+    loop {
+        match m.queue(vhost, name).await {
+            Err(_) if tries < 2 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            other => return other,
         }
     }
 }
