@@ -97,11 +97,20 @@ start() { # N
     ctl "$i" start_app >/dev/null
   done
   # quorum_queue, stream_queue (at-least-once dead-lettering needs both) and the rest.
-  ctl 1 enable_feature_flag all >/dev/null
-  for flag in quorum_queue stream_queue; do
-    ctl 1 list_feature_flags -q name state | grep -q "^$flag[[:space:]]*enabled" \
-      || { log "feature flag $flag is not enabled"; exit 1; }
+  # Right after a join the call can fail (a node still starting its apps): retry.
+  flags_on() {
+    local listed
+    listed=$(ctl 1 list_feature_flags -q name state 2>/dev/null) || return 1
+    for flag in quorum_queue stream_queue; do
+      grep -q "^$flag[[:space:]]*enabled" <<<"$listed" || return 1
+    done
+  }
+  for _ in $(seq 1 20); do
+    ctl 1 enable_feature_flag all >/dev/null 2>&1 || true
+    flags_on && break
+    sleep 2
   done
+  flags_on || { log "feature flags quorum_queue and stream_queue could not be enabled"; exit 1; }
   log "$n nodes running in $DIR"
   echo "$DIR"
 }

@@ -301,7 +301,7 @@ async fn lateness(db: &tokio_postgres::Client, fault_at: f64) -> (f64, i64, f64,
     let row = db
         .query_one(
             "WITH l AS (SELECT extract(epoch FROM closed_at - expire_at) * 1000 AS ms \
-               FROM orders WHERE extract(epoch FROM expire_at) >= $1) \
+               FROM orders WHERE extract(epoch FROM expire_at)::float8 >= $1) \
              SELECT count(*), \
                     coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), 0)::float8, \
                     coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), 0)::float8, \
