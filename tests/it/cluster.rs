@@ -187,10 +187,16 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
     // Crashed or stopped, the node comes back (for the next scenario too).
     cluster.start_node(node);
 
-    eventually(Duration::from_secs(180), "every order closed", || async {
-        (count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await == 0).then_some(())
-    })
-    .await;
+    let waited = Instant::now();
+    while count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await > 0 {
+        if waited.elapsed() > Duration::from_secs(180) {
+            panic!(
+                "{fault:?}: not every order closed: {}",
+                diagnose(cluster, &db, &names).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert_never_early(&db).await;
     assert_eq!(
         count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
@@ -278,6 +284,37 @@ async fn busiest_tier(cluster: &PrivateCluster, names: &Names) -> String {
         }
     }
     best.0
+}
+
+/// What is left where, for a failure message.
+async fn diagnose(cluster: &PrivateCluster, db: &tokio_postgres::Client, names: &Names) -> String {
+    let mut out = format!(
+        "unpaid {}, overdue {}, outbox {}",
+        count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await,
+        count(
+            db,
+            "SELECT count(*) FROM orders WHERE status = 'UNPAID' AND expire_at < now()"
+        )
+        .await,
+        count(db, "SELECT count(*) FROM outbox").await
+    );
+    let mut queues: Vec<String> = TIERS
+        .iter()
+        .map(|t| format!("{}{t}", names.wait_queue_prefix()))
+        .collect();
+    queues.extend([
+        names.due_queue(),
+        names.parked(),
+        names.stock_release_queue(),
+    ]);
+    for q in queues {
+        let info = cluster.queue(&q).await;
+        out.push_str(&format!(
+            "; {q}: {:?} messages, leader {:?}, online {:?}",
+            info.messages, info.leader, info.online
+        ));
+    }
+    out
 }
 
 async fn db_now(db: &tokio_postgres::Client) -> f64 {
