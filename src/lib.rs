@@ -8,7 +8,7 @@
 //! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its validation.
 //! - [`tier`]: delay tiers and the rule that picks the next hop for a deadline.
 //! - [`topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
-//! - [`broker`]: AMQP connections, argument tables, publishing with confirms (bounded by a timeout).
+//! - [`broker`]: AMQP connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout).
 //! - [`tls`]: certificate verification and client certificates for `amqps://` and `https://`.
 //! - [`publishing`]: a consumer's separate publishing connection; broker blocked notices.
 //! - [`queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
