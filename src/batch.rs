@@ -15,10 +15,15 @@ use crate::broker::{self, BrokerError, Endpoint};
 use crate::health::Health;
 use crate::publishing::PublishingConnection;
 
+/// How long a consumer waits without any delivery before it checks whether its queue
+/// holds ready messages nonetheless.
+pub const IDLE_CHECK: Duration = Duration::from_secs(10);
+
 /// A consumer on one queue plus a side channel of deliveries handed back for later
 /// (held timeouts).
 pub struct BatchSource {
     consumer: lapin::Consumer,
+    queue: String,
     returned: mpsc::UnboundedReceiver<Delivery>,
     pub return_to: mpsc::UnboundedSender<Delivery>,
     pub channel: lapin::Channel,
@@ -51,6 +56,7 @@ impl BatchSource {
         let (return_to, returned) = mpsc::unbounded_channel();
         Ok(Self {
             consumer,
+            queue: queue.to_string(),
             returned,
             return_to,
             channel,
@@ -64,11 +70,24 @@ impl BatchSource {
         window: Duration,
         token: &CancellationToken,
     ) -> Result<Option<Vec<Delivery>>, BrokerError> {
-        let first = tokio::select! {
-            biased;
-            _ = token.cancelled() => return Ok(None),
-            Some(d) = self.returned.recv() => d,
-            next = self.consumer.next() => Self::unwrap(next)?,
+        let mut idle_with_ready = 0;
+        let first = loop {
+            tokio::select! {
+                biased;
+                _ = token.cancelled() => return Ok(None),
+                Some(d) = self.returned.recv() => break d,
+                next = self.consumer.next() => break Self::unwrap(next)?,
+                _ = tokio::time::sleep(IDLE_CHECK) => {
+                    // Nothing arrived for a while: is the queue holding ready messages
+                    // the broker does not deliver (a consumer attached while a quorum
+                    // queue's leader changed can stay silent)? Twice in a row: re-attach.
+                    let ready = self.ready().await?;
+                    idle_with_ready = if ready > 0 { idle_with_ready + 1 } else { 0 };
+                    if idle_with_ready >= 2 {
+                        return Err(BrokerError::ConsumerSilent { queue: self.queue.clone(), ready });
+                    }
+                }
+            }
         };
         let mut batch = vec![first];
         let until = tokio::time::Instant::now() + window;
@@ -81,6 +100,20 @@ impl BatchSource {
             }
         }
         Ok(Some(batch))
+    }
+
+    /// Messages ready in the consumed queue (a passive declare on this channel).
+    async fn ready(&self) -> Result<u32, BrokerError> {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = self
+            .channel
+            .queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
+            .await
+            .map_err(BrokerError::amqp("queue.declare (passive)"))?;
+        Ok(declared.message_count())
     }
 
     fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {

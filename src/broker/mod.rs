@@ -36,6 +36,10 @@ pub enum BrokerError {
          if the broker's certificate is signed by a private CA, set broker.tls.ca_file"
     )]
     CertificateRejected { detail: String },
+    #[error(
+        "the broker accepted the TCP connection but did not finish the AMQP handshake within {after:?} (a node still starting or stopping?)"
+    )]
+    ConnectTimeout { after: Duration },
     #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
     ConfirmTimeout { after: Duration },
     #[error("the broker blocks publishing on this connection: {reason}")]
@@ -50,6 +54,10 @@ pub enum BrokerError {
     },
     #[error("the broker cancelled the consumer (queue deleted?)")]
     ConsumerEnded,
+    #[error(
+        "the consumer of `{queue}` received nothing for two idle checks while the queue held {ready} ready messages; attaching again"
+    )]
+    ConsumerSilent { queue: String, ready: u32 },
     #[error("the broker connection was lost")]
     ConnectionLost,
     #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
@@ -94,6 +102,9 @@ impl crate::backoff::SessionError for BrokerError {
         )
     }
 }
+
+/// How long one connection attempt to one address may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
@@ -147,7 +158,13 @@ impl Endpoint {
         let all = addresses::split(&self.url);
         let mut last = None;
         for index in self.cursor.order(all.len()) {
-            match self.connect_to(&all[index], name).await {
+            // Bounded: a node that is booting or shutting down can accept the TCP
+            // connection and never answer the handshake.
+            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect_to(&all[index], name));
+            let result = attempt.await.unwrap_or(Err(BrokerError::ConnectTimeout {
+                after: CONNECT_TIMEOUT,
+            }));
+            match result {
                 Ok(conn) => {
                     self.cursor.worked(index);
                     return Ok(conn);
