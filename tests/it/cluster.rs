@@ -4,7 +4,8 @@
 //! early, every order closed exactly once, stock consistent, and lateness within a
 //! generous bound (printed, see docs/scaling.md).
 //!
-//! Long (a few minutes), so it runs only with `LAPSE_CLUSTER_TESTS=1` (set by `.ci/run`).
+//! Long (a few minutes), so it runs only with `RUN_CLUSTER_TESTS=1` (set by `.ci/run`).
+//! Not `LAPSE_...`: every `LAPSE_` variable is read as a configuration key.
 
 use std::time::{Duration, Instant};
 
@@ -24,10 +25,10 @@ const TIERS: [&str; 3] = ["1s", "5s", "15s"];
 const LATENESS_BOUND: Duration = Duration::from_secs(60);
 
 fn enabled() -> bool {
-    if std::env::var("LAPSE_CLUSTER_TESTS").is_ok_and(|v| v == "1") {
+    if std::env::var("RUN_CLUSTER_TESTS").is_ok_and(|v| v == "1") {
         return true;
     }
-    eprintln!("cluster tests not run: set LAPSE_CLUSTER_TESTS=1 (.ci/run does)");
+    eprintln!("cluster tests not run: set RUN_CLUSTER_TESTS=1 (.ci/run does)");
     false
 }
 
