@@ -30,9 +30,15 @@ use crate::runtime::health::{Busy, Health};
 /// timeouts, kept publishes).
 pub struct BatchSource {
     consumer: lapin::Consumer,
+    queue: String,
+    prefetch: u16,
     held: DelayQueue<Delivery>,
     pub channel: lapin::Channel,
 }
+
+/// How long a consumer waits without any delivery before it checks whether its queue
+/// holds ready messages nonetheless.
+pub const IDLE_CHECK: Duration = Duration::from_secs(10);
 
 impl BatchSource {
     /// Opens a channel with `prefetch` and starts consuming `queue`.
@@ -60,6 +66,8 @@ impl BatchSource {
             .map_err(BrokerError::amqp("basic.consume"))?;
         Ok(Self {
             consumer,
+            queue: queue.to_string(),
+            prefetch,
             held: DelayQueue::new(),
             channel,
         })
@@ -89,13 +97,32 @@ impl BatchSource {
         // An empty delay queue answers `None` at once: that branch is then disabled
         // for this `select!`, and nothing is held meanwhile (holds are added between
         // batches, by the caller).
-        let held = &mut self.held;
-        let first = tokio::select! {
-            biased;
-            _ = token.cancelled() => return Ok(None),
-            Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => d.into_inner(),
-            next = self.consumer.next() => Self::unwrap(next)?,
+        let mut idle_with_ready = 0;
+        let first = loop {
+            let held = &mut self.held;
+            tokio::select! {
+                biased;
+                _ = token.cancelled() => return Ok(None),
+                Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => break d.into_inner(),
+                next = self.consumer.next() => break Self::unwrap(next)?,
+                _ = tokio::time::sleep(IDLE_CHECK) => {
+                    // Nothing arrived for a while although there is room in prefetch:
+                    // does the queue hold ready messages the broker does not deliver
+                    // (a consumer attached while a quorum queue's leader changed can
+                    // stay silent)? Twice in a row: the session ends and re-attaches.
+                    if self.held.len() >= usize::from(self.prefetch) {
+                        idle_with_ready = 0;
+                        continue;
+                    }
+                    let ready = self.ready().await?;
+                    idle_with_ready = if ready > 0 { idle_with_ready + 1 } else { 0 };
+                    if idle_with_ready >= 2 {
+                        return Err(BrokerError::ConsumerSilent { queue: self.queue.clone(), ready });
+                    }
+                }
+            }
         };
+        let held = &mut self.held;
         let mut batch = vec![first];
         let until = Instant::now() + window;
         while batch.len() < size {
@@ -107,6 +134,20 @@ impl BatchSource {
             }
         }
         Ok(Some(batch))
+    }
+
+    /// Messages ready in the consumed queue (a passive declare on this channel).
+    async fn ready(&self) -> Result<u32, BrokerError> {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = self
+            .channel
+            .queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
+            .await
+            .map_err(BrokerError::amqp("queue.declare (passive)"))?;
+        Ok(declared.message_count())
     }
 
     fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {

@@ -43,6 +43,41 @@ pub struct QueueInfo {
     /// Bytes the queue process uses (sampled by the management plugin).
     #[serde(default)]
     pub memory: Option<u64>,
+    /// Quorum queues: the nodes holding a replica, those online, and the leader.
+    /// Read leniently: while a member is away the API may show other shapes here,
+    /// which must not make the whole queue unreadable.
+    #[serde(default, deserialize_with = "names")]
+    pub members: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "names")]
+    pub online: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "name")]
+    pub leader: Option<String>,
+}
+
+fn names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
+    Ok(match Value::deserialize(d)? {
+        Value::Array(items) => Some(
+            items
+                .into_iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+        ),
+        _ => None,
+    })
+}
+
+fn name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Value::deserialize(d)? {
+        Value::String(s) if !s.is_empty() => Some(s),
+        _ => None,
+    })
+}
+
+#[derive(Debug, Deserialize)]
+pub struct NodeInfo {
+    pub name: String,
+    #[serde(default)]
+    pub running: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -240,6 +275,11 @@ impl Management {
                 status,
             }),
         }
+    }
+
+    /// Every node of the cluster, running or not.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>, ManagementError> {
+        Ok(self.get(&["nodes"]).await?.unwrap_or_default())
     }
 
     pub async fn feature_flags(&self) -> Result<Vec<FeatureFlag>, ManagementError> {

@@ -130,6 +130,10 @@ fn broker(e: &BrokerError) -> Option<Failure> {
             BrokerError::CertificateRejected { .. } => {
                 Some(Failure::new(ExitStatus::Usage, e.to_string()))
             }
+            BrokerError::ConnectTimeout { .. } => Some(Failure::new(
+                ExitStatus::Unreachable,
+                format!("cannot reach the broker of broker.url: {e}"),
+            )),
             _ => None,
         };
     };

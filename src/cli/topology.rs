@@ -63,7 +63,6 @@ pub enum TopologyCommand {
 // Over 60 lines on purpose: one arm per subcommand (plan, apply, verify), each printing its report in text or JSON with its exit status.
 pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<ExitStatus> {
     let names = config.names();
-    let topology = Topology::new(&names, &config.tier_file()?);
     let vhost = broker::vhost(&config.broker.url);
     let endpoint = config.broker.endpoint()?;
     let management = config
@@ -72,6 +71,8 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
         .as_ref()
         .map(|url| Management::with_tls(url, &endpoint.tls))
         .transpose()?;
+    let group_size = group_size(config, management.as_ref()).await;
+    let topology = Topology::new(&names, &config.tier_file()?).with_group_size(group_size);
     match command {
         TopologyCommand::Plan { json } => {
             if json {
@@ -170,4 +171,19 @@ fn print_apply(report: &topology::ApplyReport, pruned: Option<&topology::PruneRe
         report.drifts.len(),
         report.failures.len()
     );
+}
+
+/// `topology.quorum_group_size`, else every node up to 3: the nodes the management API
+/// lists (running or not), or, without it (or when it cannot be asked), the addresses
+/// in `broker.url`.
+async fn group_size(config: &Config, management: Option<&Management>) -> u32 {
+    if let Some(size) = config.topology.quorum_group_size {
+        return size;
+    }
+    let listed = match management {
+        Some(m) => m.nodes().await.ok().map(|nodes| nodes.len()),
+        None => None,
+    };
+    let nodes = listed.unwrap_or_else(|| broker::split_addresses(&config.broker.url).len());
+    topology::default_group_size(nodes)
 }

@@ -11,21 +11,21 @@ use std::time::Duration;
 use super::{BrokerConfig, ConfigError};
 use crate::amqp::broker::Endpoint;
 use crate::amqp::tls::{TlsError, TlsFiles};
+use crate::redact::Secret;
 
 impl BrokerConfig {
-    /// The broker as the `[broker]` section describes it: URL, `tls.*` files (read
-    /// now) and `confirm_timeout`.
+    /// The broker as the `[broker]` section describes it: URL (one or several
+    /// addresses), `tls.*` files (read now) and `confirm_timeout`.
     pub fn endpoint(&self) -> Result<Endpoint, TlsError> {
         let t = &self.tls;
-        Ok(Endpoint {
-            url: self.url.clone(),
-            tls: TlsFiles::load(
-                t.ca_file.as_deref(),
-                t.cert_file.as_deref(),
-                t.key_file.as_deref(),
-            )?,
-            confirm_timeout: self.confirm_timeout,
-        })
+        let mut endpoint = Endpoint::new(self.url.clone());
+        endpoint.tls = TlsFiles::load(
+            t.ca_file.as_deref(),
+            t.cert_file.as_deref(),
+            t.key_file.as_deref(),
+        )?;
+        endpoint.confirm_timeout = self.confirm_timeout;
+        Ok(endpoint)
     }
 }
 
@@ -39,22 +39,37 @@ const AMQP_QUERY_KEYS: [&str; 5] = [
 ];
 
 pub(super) fn validate(broker: &BrokerConfig) -> Result<(), ConfigError> {
-    let invalid = || ConfigError::new("broker.url", "not a valid amqp:// or amqps:// URL");
-    let amqp = lapin::uri::AMQPUri::from_str(broker.url.expose()).map_err(|_| invalid())?;
-    let parsed = url::Url::parse(broker.url.expose()).map_err(|_| invalid())?;
-    if let Some((key, _)) = parsed
-        .query_pairs()
-        .find(|(key, _)| !AMQP_QUERY_KEYS.contains(&key.as_ref()))
-    {
-        return Err(ConfigError::new(
-            "broker.url",
-            format!(
-                "query parameter `{key}` is not supported (lapse reads only {}); \
-                 TLS settings go in [broker.tls]",
-                AMQP_QUERY_KEYS.join(", ")
-            ),
-        ));
+    let all = crate::amqp::broker::split_addresses(&broker.url);
+    let mut first: Option<lapin::uri::AMQPUri> = None;
+    for (i, address) in all.iter().enumerate() {
+        // With several addresses the problem says which one (never the URL itself).
+        let which = if all.len() > 1 {
+            format!("address {} of {}: ", i + 1, all.len())
+        } else {
+            String::new()
+        };
+        let amqp = validate_address(address)
+            .map_err(|problem| ConfigError::new("broker.url", format!("{which}{problem}")))?;
+        if let Some(first) = &first {
+            if amqp.scheme != first.scheme {
+                return Err(ConfigError::new(
+                    "broker.url",
+                    format!("{which}mixes amqp:// and amqps:// (all addresses share broker.tls)"),
+                ));
+            }
+            if amqp.vhost != first.vhost {
+                return Err(ConfigError::new(
+                    "broker.url",
+                    format!(
+                        "{which}names another virtual host than address 1 (all addresses are nodes of one cluster)"
+                    ),
+                ));
+            }
+        } else {
+            first = Some(amqp);
+        }
     }
+    let amqp = first.expect("split yields at least one address");
     let tls = &broker.tls;
     let tls_configured = tls.ca_file.is_some() || tls.cert_file.is_some() || tls.key_file.is_some();
     if tls_configured && amqp.scheme == lapin::uri::AMQPScheme::AMQP {
@@ -87,6 +102,30 @@ pub(super) fn validate(broker: &BrokerConfig) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// One AMQP URL of `broker.url`: parsed, with only query parameters lapin reads.
+fn validate_address(address: &Secret) -> Result<lapin::uri::AMQPUri, String> {
+    let invalid = || {
+        if address.expose().is_empty() {
+            "is empty (two commas in a row, or a trailing comma?)".to_string()
+        } else {
+            "not a valid amqp:// or amqps:// URL".to_string()
+        }
+    };
+    let amqp = lapin::uri::AMQPUri::from_str(address.expose()).map_err(|_| invalid())?;
+    let parsed = url::Url::parse(address.expose()).map_err(|_| invalid())?;
+    if let Some((key, _)) = parsed
+        .query_pairs()
+        .find(|(key, _)| !AMQP_QUERY_KEYS.contains(&key.as_ref()))
+    {
+        return Err(format!(
+            "query parameter `{key}` is not supported (lapse reads only {}); \
+             TLS settings go in [broker.tls]",
+            AMQP_QUERY_KEYS.join(", ")
+        ));
+    }
+    Ok(amqp)
 }
 
 #[cfg(test)]
@@ -132,6 +171,21 @@ mod tests {
         let err = validate(&b).unwrap_err();
         assert_eq!(err.key, "broker.tls");
         assert!(err.problem.contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn several_addresses_are_each_checked_and_named_by_position() {
+        validate(&broker("amqp://u:p@h1:5701/%2f, amqp://u:p@h2:5702/%2f")).unwrap();
+        let err = validate(&broker("amqp://u:hunter2@h1/%2f,http://u:hunter2@h2")).unwrap_err();
+        assert_eq!(err.key, "broker.url");
+        assert!(err.problem.starts_with("address 2 of 2:"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        let err = validate(&broker("amqp://h1/%2f,")).unwrap_err();
+        assert!(err.problem.contains("address 2 of 2: is empty"), "{err}");
+        let err = validate(&broker("amqp://h1/%2f,amqps://h2/%2f")).unwrap_err();
+        assert!(err.problem.contains("mixes amqp:// and amqps://"), "{err}");
+        let err = validate(&broker("amqp://h1/a,amqp://h2/b")).unwrap_err();
+        assert!(err.problem.contains("another virtual host"), "{err}");
     }
 
     #[test]

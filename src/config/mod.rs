@@ -108,6 +108,11 @@ pub struct DatabaseConfig {
 pub struct TopologyConfig {
     /// The tier file, relative to the working directory.
     pub file: PathBuf,
+    /// `x-quorum-initial-group-size` of the queues `topology apply` creates: how many
+    /// nodes hold a replica. Unset: every node of the cluster, at most 3 (the nodes
+    /// are counted through `broker.management_url`, else the addresses in `broker.url`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quorum_group_size: Option<u32>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -229,6 +234,7 @@ impl Default for Config {
             },
             topology: TopologyConfig {
                 file: PathBuf::from("topology/default.toml"),
+                quorum_group_size: None,
             },
             worker: WorkerConfig {
                 consumer: true,
@@ -289,6 +295,12 @@ impl Config {
             return Err(ConfigError::new(
                 "sweeper.release_grace",
                 "must be greater than 0 (releases still in flight would be emitted again)",
+            ));
+        }
+        if self.topology.quorum_group_size == Some(0) {
+            return Err(ConfigError::new(
+                "topology.quorum_group_size",
+                "must be at least 1 (leave it out for every node, at most 3)",
             ));
         }
         self.validate_intervals()?;

@@ -59,31 +59,40 @@ impl BrokerConfig {
     /// rule: `heartbeat=0` would switch off the bound on a frozen worker.
     fn validate_url_heartbeat(&self) -> Result<(), ConfigError> {
         use std::str::FromStr;
-        let Ok(uri) = lapin::uri::AMQPUri::from_str(self.url.expose()) else {
-            return Ok(()); // reported as an invalid URL by the caller's URL check
-        };
-        match uri.query.heartbeat {
-            Some(0) => Err(ConfigError::new(
-                "broker.url",
-                "heartbeat=0 in the URL switches heartbeats off (a frozen worker would keep its \
-                 deliveries until its TCP connection dies); remove it or set at least 1",
-            )),
-            _ => Ok(()),
+        for address in crate::amqp::broker::split_addresses(&self.url) {
+            let Ok(uri) = lapin::uri::AMQPUri::from_str(address.expose()) else {
+                continue; // reported as an invalid URL by the caller's URL check
+            };
+            if uri.query.heartbeat == Some(0) {
+                return Err(ConfigError::new(
+                    "broker.url",
+                    "heartbeat=0 in the URL switches heartbeats off (a frozen worker would keep \
+                     its deliveries until its TCP connection dies); remove it or set at least 1",
+                ));
+            }
         }
+        Ok(())
     }
 
     /// `url` with `broker.heartbeat` as its `heartbeat` query parameter, unless the URL
-    /// names one itself. Used by the worker's connections.
+    /// names one itself; each address on its own when it names several. Used by the
+    /// worker's connections.
     pub fn url_with_heartbeat(&self) -> Secret {
-        let Ok(mut url) = url::Url::parse(self.url.expose()) else {
-            return self.url.clone();
-        };
-        if url.query_pairs().any(|(key, _)| key == "heartbeat") {
-            return self.url.clone();
-        }
-        url.query_pairs_mut()
-            .append_pair("heartbeat", &self.heartbeat.as_secs().to_string());
-        Secret::new(String::from(url))
+        let all: Vec<Secret> = crate::amqp::broker::split_addresses(&self.url)
+            .into_iter()
+            .map(|address| {
+                let Ok(mut url) = url::Url::parse(address.expose()) else {
+                    return address;
+                };
+                if url.query_pairs().any(|(key, _)| key == "heartbeat") {
+                    return address;
+                }
+                url.query_pairs_mut()
+                    .append_pair("heartbeat", &self.heartbeat.as_secs().to_string());
+                Secret::new(String::from(url))
+            })
+            .collect();
+        crate::amqp::broker::join_addresses(&all)
     }
 }
 

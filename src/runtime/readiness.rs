@@ -23,8 +23,8 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// What `/readyz` checks besides the components.
 #[derive(Clone)]
 pub struct Readiness {
-    /// `host:port` of the broker, when a component uses it.
-    broker: Option<Result<(String, u16), String>>,
+    /// `host:port` of each broker address, when a component uses the broker.
+    broker: Option<Result<Vec<(String, u16)>, String>>,
     database: Result<Pool, String>,
 }
 
@@ -32,9 +32,14 @@ impl Readiness {
     pub fn from_config(config: &Config) -> Self {
         let w = &config.worker;
         let broker = (w.consumer || w.relay || w.releaser).then(|| {
-            lapin::uri::AMQPUri::from_str(config.broker.url.expose())
-                .map(|u| (u.authority.host, u.authority.port))
-                .map_err(|_| "broker.url is not a valid AMQP URL".to_string())
+            crate::amqp::broker::split_addresses(&config.broker.url)
+                .iter()
+                .map(|a| {
+                    lapin::uri::AMQPUri::from_str(a.expose())
+                        .map(|u| (u.authority.host, u.authority.port))
+                        .map_err(|_| "broker.url is not a valid AMQP URL".to_string())
+                })
+                .collect()
         });
         let database = crate::db::pool(&config.database, 1).map_err(|e| e.to_string());
         Self { broker, database }
@@ -71,19 +76,27 @@ impl Readiness {
         (ready, body)
     }
 
+    /// Ready when any of the broker's addresses accepts a TCP connection (lapse
+    /// connects to the next one when a node is away).
     async fn broker(&self) -> Option<Result<(), String>> {
-        let (host, port) = match self.broker.as_ref()? {
-            Ok(addr) => addr,
+        let addresses = match self.broker.as_ref()? {
+            Ok(addresses) => addresses,
             Err(e) => return Some(Err(e.clone())),
         };
-        let connect = tokio::net::TcpStream::connect((host.as_str(), *port));
-        Some(match tokio::time::timeout(CHECK_TIMEOUT, connect).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(format!("cannot reach the broker at {host}:{port}: {e}")),
-            Err(_) => Err(format!(
-                "cannot reach the broker at {host}:{port}: no answer within {CHECK_TIMEOUT:?}"
-            )),
-        })
+        let mut problems = Vec::new();
+        for (host, port) in addresses {
+            let connect = tokio::net::TcpStream::connect((host.as_str(), *port));
+            match tokio::time::timeout(CHECK_TIMEOUT, connect).await {
+                Ok(Ok(_)) => return Some(Ok(())),
+                Ok(Err(e)) => {
+                    problems.push(format!("cannot reach the broker at {host}:{port}: {e}"))
+                }
+                Err(_) => problems.push(format!(
+                    "cannot reach the broker at {host}:{port}: no answer within {CHECK_TIMEOUT:?}"
+                )),
+            }
+        }
+        Some(Err(problems.join("; ")))
     }
 
     async fn database(&self) -> Option<Result<(), String>> {

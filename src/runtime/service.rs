@@ -72,10 +72,10 @@ impl Service {
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.
-        let broker = Endpoint {
-            url: config.broker.url_with_heartbeat(),
-            ..config.broker.endpoint()?
-        };
+        let broker = config
+            .broker
+            .endpoint()?
+            .with_url(config.broker.url_with_heartbeat());
         let w = &config.worker;
         let health = Health::new(w.stall_limit);
         let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());

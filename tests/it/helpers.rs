@@ -169,16 +169,7 @@ impl TestEnv {
 
     /// Starts `lapse worker` in-process.
     pub async fn start(&self, config: &Config) -> Running {
-        let token = CancellationToken::new();
-        let stats = Stats::default();
-        let service = Service::start(config, stats.clone(), token.clone())
-            .await
-            .unwrap();
-        Running {
-            token,
-            stats,
-            join: tokio::spawn(service.wait()),
-        }
+        Running::start(config).await
     }
 
     pub fn names(&self) -> Names {
@@ -367,6 +358,20 @@ pub struct Running {
 }
 
 impl Running {
+    /// Starts `lapse worker` in-process with `config`.
+    pub async fn start(config: &Config) -> Self {
+        let token = CancellationToken::new();
+        let stats = Stats::default();
+        let service = Service::start(config, stats.clone(), token.clone())
+            .await
+            .unwrap();
+        Self {
+            token,
+            stats,
+            join: tokio::spawn(service.wait()),
+        }
+    }
+
     /// Cancels and waits for the drain; returns what had to be abandoned.
     pub async fn stop(self) -> Vec<String> {
         self.token.cancel();

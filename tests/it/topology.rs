@@ -73,6 +73,8 @@ async fn apply_twice_gives_an_identical_broker_with_the_spec_arguments() {
         "x-dead-letter-routing-key": "due",
         "x-dead-letter-strategy": "at-least-once",
         "x-overflow": "reject-publish",
+        // One node (the test broker): every node, at most 3.
+        "x-quorum-initial-group-size": 1,
     });
     assert_eq!(Value::Object(q.arguments), expected);
 

@@ -16,7 +16,10 @@ use std::time::Duration;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKind};
 
+mod addresses;
 mod publisher;
+
+pub use addresses::{join as join_addresses, split as split_addresses};
 
 pub use publisher::{Outgoing, Publisher};
 
@@ -32,6 +35,10 @@ pub enum BrokerError {
          if the broker's certificate is signed by a private CA, set broker.tls.ca_file"
     )]
     CertificateRejected { detail: String },
+    #[error(
+        "the broker accepted the TCP connection but did not finish the AMQP handshake within {after:?} (a node still starting or stopping?)"
+    )]
+    ConnectTimeout { after: Duration },
     #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
     ConfirmTimeout { after: Duration },
     #[error("the broker blocks publishing on this connection: {reason}")]
@@ -46,6 +53,10 @@ pub enum BrokerError {
     },
     #[error("the broker cancelled the consumer (queue deleted?)")]
     ConsumerEnded,
+    #[error(
+        "the consumer of `{queue}` received nothing for two idle checks while the queue held {ready} ready messages; attaching again"
+    )]
+    ConsumerSilent { queue: String, ready: u32 },
     #[error("the broker connection was lost")]
     ConnectionLost,
     #[error("the broker refused the publish to `{exchange}` (routing key `{routing_key}`): nack")]
@@ -91,16 +102,21 @@ impl crate::runtime::backoff::SessionError for BrokerError {
     }
 }
 
+/// How long one connection attempt to one address may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The confirm timeout of a [`Publisher`] made with [`Publisher::new`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// How lapse reaches the broker: the URL, the TLS material for `amqps://` and the
-/// confirm timeout of its publishers.
+/// How lapse reaches the broker: the URL (one address or several, comma-separated),
+/// the TLS material for `amqps://` and the confirm timeout of its publishers.
+/// Clones share which address worked last (see [`addresses`]).
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     pub url: Secret,
     pub tls: TlsFiles,
     pub confirm_timeout: Duration,
+    cursor: addresses::Cursor,
 }
 
 impl Endpoint {
@@ -110,15 +126,52 @@ impl Endpoint {
             url,
             tls: TlsFiles::default(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            cursor: addresses::Cursor::default(),
         }
     }
 
-    /// Opens a connection named `name` (shown in the management UI).
+    /// The same endpoint with another `url` (e.g. with a heartbeat added).
+    pub fn with_url(self, url: Secret) -> Self {
+        Self { url, ..self }
+    }
+
+    /// Opens a connection named `name` (shown in the management UI) to the first
+    /// address that answers, starting at the one that worked last; the error of the
+    /// last address tried when none does.
     pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
+        let all = addresses::split(&self.url);
+        let mut last = None;
+        for index in self.cursor.order(all.len()) {
+            // Bounded: a node that is booting or shutting down can accept the TCP
+            // connection and never answer the handshake.
+            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect_to(&all[index], name));
+            let result = attempt.await.unwrap_or(Err(BrokerError::ConnectTimeout {
+                after: CONNECT_TIMEOUT,
+            }));
+            match result {
+                Ok(conn) => {
+                    self.cursor.worked(index);
+                    return Ok(conn);
+                }
+                Err(e) => {
+                    if all.len() > 1 {
+                        tracing::warn!(address = %shown_address(&all[index]), error = %e, "broker node did not accept a connection; trying the next");
+                    }
+                    if crate::runtime::backoff::SessionError::is_fatal(&e) {
+                        return Err(e);
+                    }
+                    last = Some(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(BrokerError::ConnectionLost))
+    }
+
+    async fn connect_to(&self, url: &Secret, name: &str) -> Result<Connection, BrokerError> {
         let properties = ConnectionProperties::default().with_connection_name(name.into());
         DefaultConnectionBuilder::new()
             .map_err(BrokerError::Connect)?
-            .with_uri_str(self.url.expose().to_string())
+            .with_uri_str(url.expose().to_string())
             .with_properties(properties)
             .with_tls_config(self.tls.amqp())
             .connect()
@@ -173,21 +226,28 @@ pub fn not_found(err: &lapin::Error) -> bool {
     matches!(soft_error(err), Some((AMQPSoftError::NOTFOUND, _)))
 }
 
-/// The virtual host named by an AMQP URL (`/` when the URL names none).
+/// The virtual host named by an AMQP URL (`/` when the URL names none); of the first
+/// address when `url` names several (validation makes them agree).
 pub fn vhost(url: &Secret) -> String {
     use std::str::FromStr;
-    lapin::uri::AMQPUri::from_str(url.expose())
+    let first = addresses::split(url).swap_remove(0);
+    lapin::uri::AMQPUri::from_str(first.expose())
         .map(|u| u.vhost)
         .unwrap_or_else(|_| "/".to_string())
 }
 
-/// `host:port` of an AMQP URL, without credentials, for messages.
+/// `host:port` of an AMQP URL, without credentials, for messages (`h1:p1, h2:p2`
+/// when `url` names several addresses).
 pub fn shown_address(url: &Secret) -> String {
     use std::str::FromStr;
-    match lapin::uri::AMQPUri::from_str(url.expose()) {
-        Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
-        Err(_) => "(broker.url)".to_string(),
-    }
+    addresses::split(url)
+        .iter()
+        .map(|a| match lapin::uri::AMQPUri::from_str(a.expose()) {
+            Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),
+            Err(_) => "(broker.url)".to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Closes a connection at the end of a session without ever hanging on a connection

@@ -12,7 +12,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind as LapinKind};
 use serde::Serialize;
 
-use super::{ExchangeKind, ExchangeSpec, Names, QueueSpec, Topology};
+use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, Names, QueueSpec, Topology};
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
 
@@ -143,7 +143,23 @@ pub(crate) async fn declare_queue(
     let result = channel
         .queue_declare(q.name.as_str().into(), options, args)
         .await;
-    finish(channel, &q.name, result.map(|_| ())).await
+    match finish(channel, &q.name, result.map(|_| ())).await? {
+        // The group size only matters when the queue is created: declare again with
+        // what the existing queue has, so that the other arguments are still compared.
+        Declared::Drift(d)
+            if d.argument == GROUP_SIZE_ARG && q.arguments.contains_key(GROUP_SIZE_ARG) =>
+        {
+            let mut kept = q.clone();
+            match d.actual.parse::<i64>() {
+                Ok(n) => kept
+                    .arguments
+                    .insert(GROUP_SIZE_ARG.into(), ArgValue::Int(n)),
+                Err(_) => kept.arguments.remove(GROUP_SIZE_ARG),
+            };
+            Box::pin(declare_queue(conn, &kept, passive)).await
+        }
+        other => Ok(other),
+    }
 }
 
 async fn finish(

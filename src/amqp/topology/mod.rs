@@ -155,6 +155,23 @@ pub struct Topology {
     pub exchanges: Vec<ExchangeSpec>,
     pub queues: Vec<QueueSpec>,
     pub bindings: Vec<BindingSpec>,
+    /// Replicas each quorum queue should have (see [`Topology::with_group_size`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group_size: Option<u32>,
+}
+
+/// The queue argument that sets how many nodes a new quorum queue is replicated on.
+/// The broker uses it only when it creates the queue, and refuses a redeclare with
+/// another value, so `apply` keeps what an existing queue has and `verify` compares
+/// the live members with the target instead of the argument.
+pub const GROUP_SIZE_ARG: &str = "x-quorum-initial-group-size";
+
+/// The default group size: every node of the cluster, at most this many.
+pub const DEFAULT_MAX_GROUP_SIZE: u32 = 3;
+
+/// The group size when `topology.quorum_group_size` is unset, for a cluster of `nodes`.
+pub fn default_group_size(nodes: usize) -> u32 {
+    (nodes.max(1) as u32).min(DEFAULT_MAX_GROUP_SIZE)
 }
 
 fn str_arg(s: impl Into<String>) -> ArgValue {
@@ -257,7 +274,18 @@ impl Topology {
             exchanges,
             queues,
             bindings,
+            group_size: None,
         }
+    }
+
+    /// Every queue (all are quorum queues) created with `size` replicas.
+    pub fn with_group_size(mut self, size: u32) -> Self {
+        for q in &mut self.queues {
+            q.arguments
+                .insert(GROUP_SIZE_ARG.into(), ArgValue::Int(i64::from(size)));
+        }
+        self.group_size = Some(size);
+        self
     }
 
     pub fn queue(&self, name: &str) -> Option<&QueueSpec> {

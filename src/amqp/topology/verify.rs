@@ -13,7 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::apply::{Declared, declare_exchange, declare_queue};
-use super::{ArgValue, QueueSpec, Topology};
+use super::{ArgValue, GROUP_SIZE_ARG, QueueSpec, Topology};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::management::{Management, QueueInfo};
 
@@ -169,7 +169,7 @@ async fn verify_with_management(
         return;
     }
     for q in &topology.queues {
-        let info = match m.queue(vhost, &q.name).await {
+        let info = match queue_info(m, vhost, &q.name).await {
             Ok(Some(info)) => info,
             Ok(None) => continue, // already reported missing over AMQP
             Err(e) => {
@@ -177,6 +177,7 @@ async fn verify_with_management(
                 continue;
             }
         };
+        replicas(report, &q.name, &info, topology.group_size);
         check_queue(report, q, &info);
     }
     check_bindings(report, m, vhost, topology).await;
@@ -240,7 +241,8 @@ async fn check_feature_flags(report: &mut VerifyReport, m: &Management) -> bool 
 // Over 60 lines on purpose: two checks of one queue (exact arguments, overriding policies), each reported as it is made.
 fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     let mut problems = Vec::new();
-    for (key, want) in &q.arguments {
+    // The group size is checked as live members (see `replicas`), not as an argument.
+    for (key, want) in q.arguments.iter().filter(|(k, _)| *k != GROUP_SIZE_ARG) {
         let have = info.arguments.get(key);
         if !same_value(want, have) {
             problems.push(format!("{key}: wants {want}, has {}", shown(have)));
@@ -249,7 +251,7 @@ fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     for key in info
         .arguments
         .keys()
-        .filter(|k| !q.arguments.contains_key(*k))
+        .filter(|k| !q.arguments.contains_key(*k) && *k != GROUP_SIZE_ARG)
     {
         problems.push(format!(
             "{key}: unexpected, has {}",
@@ -324,6 +326,64 @@ async fn check_bindings(
             Err(e) => report.push(&subject, "binding", CheckStatus::Failed, e.to_string()),
         }
     }
+}
+
+/// One queue's details; a failed request is tried twice more (a cluster node that
+/// just went away can make one answer fail).
+async fn queue_info(
+    m: &Management,
+    vhost: &str,
+    name: &str,
+) -> Result<Option<QueueInfo>, crate::amqp::management::ManagementError> {
+    let mut tries = 0;
+    loop {
+        match m.queue(vhost, name).await {
+            Err(_) if tries < 2 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Members per quorum queue: fewer than `target` (the group size lapse wants), or a
+/// member offline, is a queue that would lose its majority sooner than planned.
+fn replicas(report: &mut VerifyReport, queue: &str, info: &QueueInfo, target: Option<u32>) {
+    let Some(members) = &info.members else {
+        return; // not a quorum queue (reported by the argument check) or an old API
+    };
+    let online = info.online.clone().unwrap_or_default();
+    let offline: Vec<&str> = members
+        .iter()
+        .filter(|m| !online.contains(m))
+        .map(String::as_str)
+        .collect();
+    let leader = info.leader.as_deref().unwrap_or("(none)");
+    let mut detail = format!(
+        "{} members ({}), leader {leader}",
+        members.len(),
+        members.join(", ")
+    );
+    if let Some(target) = target {
+        detail.push_str(&format!(", target {target}"));
+    }
+    let below = target.is_some_and(|t| (members.len() as u32) < t);
+    if below {
+        detail.push_str(&format!(
+            "; below target: add replicas with `rabbitmq-queues grow <node> all` or \
+             `rabbitmq-queues add_member {queue} <node>`"
+        ));
+    }
+    if !offline.is_empty() {
+        detail.push_str(&format!("; offline: {}", offline.join(", ")));
+    }
+    let status = if below || !offline.is_empty() {
+        CheckStatus::Failed
+    } else {
+        CheckStatus::Ok
+    };
+    report.push(queue, "replicas", status, detail);
 }
 
 fn same_value(want: &ArgValue, have: Option<&Value>) -> bool {

@@ -1,0 +1,354 @@
+//! lapse on a 3-node RabbitMQ cluster under load: a node crashes (the due queue's
+//! leader, then the busiest wait tier's leader) or is stopped for 10 s and comes back,
+//! while two workers close a couple of thousand orders due over ~20 s. Each time: none
+//! early, every order closed exactly once, stock consistent, and lateness within a
+//! generous bound (printed, see docs/scaling.md).
+//!
+//! Long (a few minutes), so it runs only with `RUN_CLUSTER_TESTS=1` (set by `.ci/run`).
+//! Not `LAPSE_...`: every `LAPSE_` variable is read as a configuration key.
+
+use std::time::{Duration, Instant};
+
+use lapse::amqp::topology::{Names, TierFile, Topology};
+use lapse::config::{Config, Secret};
+use lapse::orders::Line;
+
+use crate::helpers::{
+    Running, assert_never_early, count, create_orders, database_url, drop_database, eventually,
+    init_logs, run_lapse, stdout, unique,
+};
+use crate::private_cluster::PrivateCluster;
+
+const ORDERS: usize = 2_000;
+const TIERS: [&str; 3] = ["1s", "5s", "15s"];
+/// Generous: leader election and reconnect take seconds; a loaded 2-core machine more.
+const LATENESS_BOUND: Duration = Duration::from_secs(60);
+
+fn enabled() -> bool {
+    if std::env::var("RUN_CLUSTER_TESTS").is_ok_and(|v| v == "1") {
+        return true;
+    }
+    eprintln!("cluster tests not run: set RUN_CLUSTER_TESTS=1 (.ci/run does)");
+    false
+}
+
+/// What happens to the cluster mid-run.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    KillDueLeader,
+    KillBusiestTierLeader,
+    StopDueLeaderFor10s,
+}
+
+/// One scenario's database, dropped also when the test fails.
+struct Db(String);
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        let name = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(drop_database(&name));
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_node_cluster_keeps_the_promise_through_node_failures() {
+    if !enabled() {
+        return;
+    }
+    init_logs();
+    let cluster = PrivateCluster::start(3);
+    topology_is_replicated_on_every_node(&cluster);
+    for fault in [
+        Fault::KillDueLeader,
+        Fault::KillBusiestTierLeader,
+        Fault::StopDueLeaderFor10s,
+    ] {
+        run_scenario(&cluster, fault).await;
+    }
+}
+
+/// `topology apply` on the cluster gives every queue 3 members; `verify` says so, and
+/// fails naming the offline member while a node is down.
+fn topology_is_replicated_on_every_node(cluster: &PrivateCluster) {
+    let dir = tempfile::tempdir().unwrap();
+    let tiers = dir.path().join("tiers.toml");
+    std::fs::write(&tiers, "tiers = [\"1s\", \"5s\"]\n").unwrap();
+    let urls = cluster.urls();
+    let mgmt = cluster.management_url(2);
+    let env = [
+        ("LAPSE_BROKER__URL", urls.as_str()),
+        ("LAPSE_BROKER__MANAGEMENT_URL", mgmt.as_str()),
+        ("LAPSE_BROKER__PREFIX", "replicas"),
+        ("LAPSE_TOPOLOGY__FILE", tiers.to_str().unwrap()),
+    ];
+    let out = run_lapse(&["topology", "apply"], &env);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let out = run_lapse(&["topology", "verify"], &env);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    let text = stdout(&out);
+    let replicas: Vec<&str> = text.lines().filter(|l| l.contains(" replicas ")).collect();
+    assert_eq!(
+        replicas.len(),
+        5,
+        "wait.1s, wait.5s, due, parked, stock.release\n{text}"
+    );
+    for line in &replicas {
+        assert!(
+            line.contains("3 members") && line.contains("target 3"),
+            "{line}"
+        );
+    }
+    cluster.stop_node(3);
+    // The API shows a stopped member offline after a few seconds.
+    let started = Instant::now();
+    let out = loop {
+        let out = run_lapse(&["topology", "verify"], &env);
+        if stdout(&out).contains("offline: ") || started.elapsed() > Duration::from_secs(60) {
+            break out;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    cluster.start_node(3);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let text = stdout(&out);
+    let offline = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("FAILED")
+                && l.contains(" replicas ")
+                && l.contains("offline: lapse-test-")
+        })
+        .count();
+    assert!(offline >= 1, "{text}");
+}
+
+async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
+    cluster.wait_all_running().await;
+    let prefix = unique("c");
+    let db_name = Db(prefix.clone());
+    let db_url = database_url(&db_name.0);
+    lapse::db::migrate(&Secret::new(db_url.clone()))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tier_path = dir.path().join("tiers.toml");
+    let quoted: Vec<String> = TIERS.iter().map(|t| format!("{t:?}")).collect();
+    std::fs::write(&tier_path, format!("tiers = [{}]\n", quoted.join(", "))).unwrap();
+    let topology = Topology::new(
+        &Names::new(prefix.clone()),
+        &TierFile::load(&tier_path).unwrap(),
+    )
+    .with_group_size(3);
+    let conn = lapse::amqp::broker::connect(&Secret::new(cluster.urls()), "lapse test")
+        .await
+        .unwrap();
+    let report = lapse::amqp::topology::apply(&conn, &topology)
+        .await
+        .unwrap();
+    assert!(report.ok(), "{report:?}");
+    lapse::amqp::broker::close_quietly(&conn, "done").await;
+
+    let config = config(cluster, &prefix, &db_url, &tier_path);
+    let workers = [start(&config).await, start(&config).await];
+    let (mut db, connection) = tokio_postgres::connect(&db_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    // Due from 5 s to 25 s after creation, 10 ms apart.
+    let deadlines: Vec<Duration> = (0..ORDERS as u64)
+        .map(|i| Duration::from_millis(5_000 + i * 10))
+        .collect();
+    let lines = [Line {
+        sku: "apple".into(),
+        qty: 1,
+    }];
+    let started = Instant::now();
+    create_orders(&mut db, &deadlines, &lines).await;
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(started.elapsed())).await;
+
+    // Mid-run: about a third of the orders are due, the rest wait in the tiers.
+    let names = Names::new(prefix.clone());
+    let queue = match fault {
+        Fault::KillBusiestTierLeader => busiest_tier(cluster, &names).await,
+        _ => names.due_queue(),
+    };
+    let leader = cluster.queue(&queue).await.leader.unwrap();
+    let node = cluster.index_of(&leader);
+    let fault_at = db_now(&db).await;
+    match fault {
+        Fault::KillDueLeader | Fault::KillBusiestTierLeader => cluster.kill(node),
+        Fault::StopDueLeaderFor10s => cluster.stop_node(node),
+    }
+    if let Fault::StopDueLeaderFor10s = fault {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    // Crashed or stopped, the node comes back (for the next scenario too).
+    cluster.start_node(node);
+
+    let waited = Instant::now();
+    while count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await > 0 {
+        if waited.elapsed() > Duration::from_secs(180) {
+            panic!(
+                "{fault:?}: not every order closed: {}",
+                diagnose(cluster, &db, &names).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_never_early(&db).await;
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        ORDERS as i64
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM (SELECT order_id FROM order_events WHERE event = 'closed' \
+             GROUP BY order_id HAVING count(*) <> 1) x"
+        )
+        .await,
+        0,
+        "an order closed more than once"
+    );
+    eventually(Duration::from_secs(60), "every stock release", || async {
+        let released = count(
+            &db,
+            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'",
+        )
+        .await;
+        assert!(released <= ORDERS as i64, "{released} releases");
+        (released == ORDERS as i64).then_some(())
+    })
+    .await;
+    let stock = db
+        .query_one(
+            "SELECT available, reserved, sold FROM stock WHERE sku = 'apple'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (available, reserved, sold): (i64, i64, i64) = (stock.get(0), stock.get(1), stock.get(2));
+    assert_eq!(
+        (available, reserved, sold),
+        (1_000_000, 0, 0),
+        "stock after every release"
+    );
+
+    let (all_max, affected_n, affected_p50, affected_p99, affected_max) =
+        lateness(&db, fault_at).await;
+    eprintln!(
+        "cluster {fault:?} (queue {queue}, node {leader}): lateness max {all_max:.0} ms over all \
+         {ORDERS}; orders due from the fault on: {affected_n}, p50 {affected_p50:.0} ms, \
+         p99 {affected_p99:.0} ms, max {affected_max:.0} ms"
+    );
+    assert!(
+        all_max < LATENESS_BOUND.as_millis() as f64,
+        "{fault:?}: an order closed {all_max:.0} ms late"
+    );
+    for w in workers {
+        w.stop().await;
+    }
+}
+
+fn config(cluster: &PrivateCluster, prefix: &str, db_url: &str, tiers: &std::path::Path) -> Config {
+    let mut c = Config::default();
+    c.broker.url = Secret::new(cluster.urls());
+    c.broker.prefix = prefix.to_string();
+    c.broker.heartbeat = Duration::from_secs(5);
+    c.database.url = Secret::new(db_url);
+    c.database.pool_size = 4;
+    c.topology.file = tiers.to_path_buf();
+    // The message path alone must keep the promise: no sweeper to rescue it.
+    c.worker.sweeper = false;
+    c.worker.migrate_on_start = false;
+    c.relay.tier_tolerance = Duration::from_millis(100);
+    c.worker.drain_timeout = Duration::from_secs(5);
+    c.relay.poll_interval = Duration::from_millis(200);
+    c
+}
+
+async fn start(config: &Config) -> Running {
+    Running::start(config).await
+}
+
+/// The wait tier holding the most messages now.
+async fn busiest_tier(cluster: &PrivateCluster, names: &Names) -> String {
+    let mut best = (format!("{}{}", names.wait_queue_prefix(), TIERS[0]), 0);
+    for tier in TIERS {
+        let name = format!("{}{tier}", names.wait_queue_prefix());
+        let depth = cluster.queue(&name).await.messages.unwrap_or(0);
+        if depth > best.1 {
+            best = (name, depth);
+        }
+    }
+    best.0
+}
+
+/// What is left where, for a failure message.
+async fn diagnose(cluster: &PrivateCluster, db: &tokio_postgres::Client, names: &Names) -> String {
+    let mut out = format!(
+        "unpaid {}, overdue {}, outbox {}",
+        count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await,
+        count(
+            db,
+            "SELECT count(*) FROM orders WHERE status = 'UNPAID' AND expire_at < now()"
+        )
+        .await,
+        count(db, "SELECT count(*) FROM outbox").await
+    );
+    let mut queues: Vec<String> = TIERS
+        .iter()
+        .map(|t| format!("{}{t}", names.wait_queue_prefix()))
+        .collect();
+    queues.extend([
+        names.due_queue(),
+        names.parked(),
+        names.stock_release_queue(),
+    ]);
+    for q in queues {
+        let info = cluster.queue(&q).await;
+        out.push_str(&format!(
+            "; {q}: {:?} messages, leader {:?}, online {:?}",
+            info.messages, info.leader, info.online
+        ));
+    }
+    out
+}
+
+async fn db_now(db: &tokio_postgres::Client) -> f64 {
+    db.query_one("SELECT extract(epoch FROM now())::float8", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Lateness in ms: the maximum over all orders; count, p50, p99 and maximum of the
+/// orders due at or after the fault.
+async fn lateness(db: &tokio_postgres::Client, fault_at: f64) -> (f64, i64, f64, f64, f64) {
+    let all: f64 = db
+        .query_one(
+            "SELECT (extract(epoch FROM max(closed_at - expire_at)) * 1000)::float8 FROM orders",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let row = db
+        .query_one(
+            "WITH l AS (SELECT extract(epoch FROM closed_at - expire_at) * 1000 AS ms \
+               FROM orders WHERE extract(epoch FROM expire_at)::float8 >= $1) \
+             SELECT count(*), \
+                    coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), 0)::float8, \
+                    coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), 0)::float8, \
+                    coalesce(max(ms), 0)::float8 FROM l",
+            &[&fault_at],
+        )
+        .await
+        .unwrap();
+    (all, row.get(0), row.get(1), row.get(2), row.get(3))
+}
