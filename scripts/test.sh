@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/services.sh
+# The cluster tests (tests/it/cluster.rs, a private 3-node RabbitMQ cluster, a few
+# minutes) are part of the suite; RUN_CLUSTER_TESTS=0 leaves them out of a quick run.
+export RUN_CLUSTER_TESTS=${RUN_CLUSTER_TESTS:-1}
 cargo test --locked "$@"

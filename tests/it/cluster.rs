@@ -4,7 +4,7 @@
 //! early, every order closed exactly once, stock consistent, and lateness within a
 //! generous bound (printed, see docs/scaling.md).
 //!
-//! Long (a few minutes), so it runs only with `RUN_CLUSTER_TESTS=1` (set by `.ci/run`).
+//! Long (a few minutes), so it runs only with `RUN_CLUSTER_TESTS=1` (`scripts/test.sh` sets it unless told 0).
 //! Not `LAPSE_...`: every `LAPSE_` variable is read as a configuration key.
 
 use std::time::{Duration, Instant};
@@ -28,7 +28,7 @@ fn enabled() -> bool {
     if std::env::var("RUN_CLUSTER_TESTS").is_ok_and(|v| v == "1") {
         return true;
     }
-    eprintln!("cluster tests not run: set RUN_CLUSTER_TESTS=1 (.ci/run does)");
+    eprintln!("cluster tests not run: set RUN_CLUSTER_TESTS=1 (scripts/test.sh does)");
     false
 }
 
