@@ -73,10 +73,11 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 
 pub async fn run(config: Config, args: DemoArgs) -> anyhow::Result<ExitStatus> {
     let token = crate::runtime::shutdown::on_signal();
+    let keep = args.keep;
     let options = Options {
         orders: args.orders,
         duration: args.run_time,
-        keep: args.keep,
+        keep,
         svg: args.svg,
         display: Display::detect(args.json),
         seed: fastrand::u64(..),
@@ -91,7 +92,15 @@ pub async fn run(config: Config, args: DemoArgs) -> anyhow::Result<ExitStatus> {
     let report = match demo::run(&config, options, token).await {
         Ok(report) => report,
         Err(e) if e.is::<Interrupted>() => {
-            eprintln!("interrupted; the demo's queues, exchanges and database were removed");
+            if keep {
+                eprintln!(
+                    "interrupted; the demo's queues, exchanges and database were kept (--keep)"
+                );
+            } else {
+                eprintln!(
+                    "interrupted; the demo removed what it could of its queues, exchanges and database (see the lines above for any it could not)"
+                );
+            }
             return Ok(ExitStatus::Failed);
         }
         Err(e) => return Err(e),

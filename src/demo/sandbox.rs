@@ -18,6 +18,8 @@ pub struct Sandbox {
     pub database: String,
     pub topology: Topology,
     endpoint: Endpoint,
+    /// Set once this run created the database: only then does cleanup drop it.
+    created: std::sync::atomic::AtomicBool,
 }
 
 /// `<pid><nanos>` in hex: unique per run on this machine.
@@ -26,7 +28,12 @@ fn suffix() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
-    format!("{:x}{:x}", std::process::id(), nanos & 0xffff_ffff_ffff)
+    format!(
+        "{:x}_{:x}_{:x}",
+        std::process::id(),
+        nanos & 0xffff_ffff,
+        fastrand::u16(..)
+    )
 }
 
 impl Sandbox {
@@ -50,12 +57,22 @@ impl Sandbox {
                      the same server",
                 )
             })?;
+        // A database named in the query would win over the path: the demo would run
+        // in (and drop) someone's real database.
+        if url
+            .query_pairs()
+            .any(|(k, _)| k.eq_ignore_ascii_case("dbname"))
+        {
+            return Err(bad_url(
+                "`lapse demo` names its own database: remove the dbname parameter",
+            ));
+        }
         let own: String = url
             .path()
             .trim_start_matches('/')
             .chars()
             .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .take(40)
+            .take(30)
             .collect::<String>()
             .to_ascii_lowercase();
         let own = if own.is_empty() { "lapse".into() } else { own };
@@ -63,8 +80,13 @@ impl Sandbox {
         url.set_path(&format!("/{database}"));
         config.database.url = Secret::new(url.to_string());
         config.broker.prefix = prefix.clone();
-        // The demo migrates before it starts the components.
+        // The demo migrates before it starts the components, and runs every one of
+        // them whatever the user's configuration switches off.
         config.worker.migrate_on_start = false;
+        config.worker.consumer = true;
+        config.worker.relay = true;
+        config.worker.releaser = true;
+        config.worker.sweeper = true;
         let topology = Topology::new(&config.names(), &config.tier_file()?);
         let endpoint = config.broker.endpoint().map_err(|e| ConfigError {
             key: "broker.tls".into(),
@@ -76,11 +98,13 @@ impl Sandbox {
             database,
             topology,
             endpoint,
+            created: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Creates the database and its schema, and declares the topology.
     pub async fn provision(&self) -> anyhow::Result<()> {
+        self.create_database().await?;
         db::migrate_with_settings(
             &self.config.database.url,
             &db::Settings::from_config(&self.config),
@@ -127,7 +151,31 @@ impl Sandbox {
         problems
     }
 
+    /// Creates the demo's database; fails if one of that name exists (never reuses
+    /// one: cleanup drops it).
+    async fn create_database(&self) -> anyhow::Result<()> {
+        let mut admin = db::pg_config(&self.config.database.url)?;
+        admin.dbname("postgres");
+        admin.connect_timeout(std::time::Duration::from_secs(5));
+        let (client, connection) = db::connect(&admin).await?;
+        let driver = tokio::spawn(connection);
+        let quoted = format!("\"{}\"", self.database.replace('"', "\"\""));
+        let created = client
+            .batch_execute(&format!("CREATE DATABASE {quoted}"))
+            .await
+            .with_context(|| format!("CREATE DATABASE {} (it must not exist yet)", self.database));
+        drop(client);
+        let _ = driver.await;
+        created?;
+        self.created
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
     async fn drop_database(&self) -> anyhow::Result<()> {
+        if !self.created.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
         let mut admin = db::pg_config(&self.config.database.url)?;
         admin.dbname("postgres");
         admin.connect_timeout(std::time::Duration::from_secs(5));

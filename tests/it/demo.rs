@@ -250,6 +250,25 @@ async fn a_small_demo_accounts_for_every_order_draws_its_picture_and_leaves_noth
         .map(|v| v.as_i64().unwrap())
         .sum();
     assert_eq!(hops, closed, "one close event per closed order: {r:#}");
+    // The message path did the work (a dead one would leave every close to the
+    // sweeper, at hop 0): most closes by the timeout, some after a wait-queue hop.
+    let by_timeout = r["closed_by_timeout"].as_i64().unwrap();
+    assert!(
+        by_timeout * 2 > closed,
+        "closed mostly by the timeout path: {r:#}"
+    );
+    let hopped: i64 = r["hops"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "0")
+        .map(|(_, v)| v.as_i64().unwrap())
+        .sum();
+    assert!(hopped > 0, "some closes came through a wait queue: {r:#}");
+    // The mix happened: extensions, and late payments refused.
+    assert!(r["extended"].as_i64().unwrap() > 0, "{r:#}");
+    assert!(r["late_payments_refused"].as_i64().unwrap() > 0, "{r:#}");
+    assert_eq!(r["action_errors"], 0, "{r:#}");
     let l = &r["lateness_ms"];
     let q = |k: &str| l[k].as_f64().unwrap();
     assert!(
@@ -344,4 +363,16 @@ fn bad_sizes_are_usage_errors_naming_the_option() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(option), "{args:?}: {}", stderr(&out));
     }
+}
+
+#[test]
+fn a_database_named_in_the_url_query_is_refused_before_anything_is_created() {
+    let url = format!("{}?dbname=postgres", crate::helpers::database_url(""));
+    let out = run_lapse(
+        &["demo", "--orders", "10", "--duration", "2s"],
+        &[("LAPSE_DATABASE__URL", &url)],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("database.url"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("dbname"), "{}", stderr(&out));
 }
