@@ -154,41 +154,39 @@ impl Sandbox {
     /// Creates the demo's database; fails if one of that name exists (never reuses
     /// one: cleanup drops it).
     async fn create_database(&self) -> anyhow::Result<()> {
-        let mut admin = db::pg_config(&self.config.database.url)?;
-        admin.dbname("postgres");
-        admin.connect_timeout(std::time::Duration::from_secs(5));
-        let (client, connection) = db::connect(&admin).await?;
-        let driver = tokio::spawn(connection);
-        let quoted = format!("\"{}\"", self.database.replace('"', "\"\""));
-        let created = client
-            .batch_execute(&format!("CREATE DATABASE {quoted}"))
+        self.on_server(|db| format!("CREATE DATABASE {db}"))
             .await
-            .with_context(|| format!("CREATE DATABASE {} (it must not exist yet)", self.database));
-        drop(client);
-        let _ = driver.await;
-        created?;
+            .with_context(|| {
+                format!("CREATE DATABASE {} (it must not exist yet)", self.database)
+            })?;
         self.created
             .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
+    /// Drops the demo's database, only if this run created it.
     async fn drop_database(&self) -> anyhow::Result<()> {
         if !self.created.load(std::sync::atomic::Ordering::SeqCst) {
             return Ok(());
         }
+        self.on_server(|db| format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+            .await
+            .context("DROP DATABASE")
+    }
+
+    /// Runs the statement `sql` makes of the quoted database name, on the server's
+    /// maintenance database.
+    async fn on_server(&self, sql: impl FnOnce(&str) -> String) -> anyhow::Result<()> {
         let mut admin = db::pg_config(&self.config.database.url)?;
         admin.dbname("postgres");
         admin.connect_timeout(std::time::Duration::from_secs(5));
         let (client, connection) = db::connect(&admin).await?;
         let driver = tokio::spawn(connection);
         let quoted = format!("\"{}\"", self.database.replace('"', "\"\""));
-        client
-            .batch_execute(&format!("DROP DATABASE IF EXISTS {quoted} WITH (FORCE)"))
-            .await
-            .context("DROP DATABASE")?;
+        let done = client.batch_execute(&sql(&quoted)).await;
         drop(client);
         let _ = driver.await;
-        Ok(())
+        Ok(done?)
     }
 }
 
