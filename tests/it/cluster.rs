@@ -1,6 +1,7 @@
 //! lapse on a 3-node RabbitMQ cluster under load: a node crashes (the due queue's
 //! leader, then the busiest wait tier's leader) or is stopped for 10 s and comes back,
-//! while two workers close a couple of thousand orders due over ~20 s. Each time: none
+//! while two workers close a couple of thousand orders due over ~20 s; last, the due
+//! queue's leader and one of the two workers (a process) are SIGKILLed together. Each time: none
 //! early, every order closed exactly once, stock consistent, and lateness within a
 //! generous bound (printed, see docs/scaling.md).
 //!
@@ -38,6 +39,8 @@ enum Fault {
     KillDueLeader,
     KillBusiestTierLeader,
     StopDueLeaderFor10s,
+    /// SIGKILL the due queue's leader and, at the same moment, a worker process.
+    KillDueLeaderAndAWorker,
 }
 
 /// One scenario's database, dropped also when the test fails.
@@ -67,6 +70,7 @@ async fn a_three_node_cluster_keeps_the_promise_through_node_failures() {
         Fault::KillDueLeader,
         Fault::KillBusiestTierLeader,
         Fault::StopDueLeaderFor10s,
+        Fault::KillDueLeaderAndAWorker,
     ] {
         run_scenario(&cluster, fault).await;
     }
@@ -154,7 +158,17 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
     lapse::amqp::broker::close_quietly(&conn, "done").await;
 
     let config = config(cluster, &prefix, &db_url, &tier_path);
-    let workers = [start(&config).await, start(&config).await];
+    // The second worker is a process where one is to be SIGKILLed, in-process otherwise.
+    let workers = match fault {
+        Fault::KillDueLeaderAndAWorker => vec![start(&config).await],
+        _ => vec![start(&config).await, start(&config).await],
+    };
+    let mut process = match fault {
+        Fault::KillDueLeaderAndAWorker => {
+            Some(worker_process(cluster, &prefix, &db_url, &tier_path).await)
+        }
+        _ => None,
+    };
     let (mut db, connection) = tokio_postgres::connect(&db_url, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -183,6 +197,12 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
     match fault {
         Fault::KillDueLeader | Fault::KillBusiestTierLeader => cluster.kill(node),
         Fault::StopDueLeaderFor10s => cluster.stop_node(node),
+        Fault::KillDueLeaderAndAWorker => {
+            cluster.kill(node);
+            let mut child = process.take().expect("the worker process");
+            child.start_kill().expect("SIGKILL the worker");
+            child.wait().await.unwrap();
+        }
     }
     if let Fault::StopDueLeaderFor10s = fault {
         tokio::time::sleep(Duration::from_secs(10)).await;
@@ -274,6 +294,61 @@ fn config(cluster: &PrivateCluster, prefix: &str, db_url: &str, tiers: &std::pat
 
 async fn start(config: &Config) -> Running {
     Running::start(config).await
+}
+
+/// `lapse worker` as its own process, configured like [`config`], once it has taken
+/// work (its consumer holds deliveries when it is killed).
+async fn worker_process(
+    cluster: &PrivateCluster,
+    prefix: &str,
+    db_url: &str,
+    tiers: &std::path::Path,
+) -> tokio::process::Child {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"))
+        .arg("worker")
+        .env("LAPSE_BROKER__URL", cluster.urls())
+        .env("LAPSE_BROKER__PREFIX", prefix)
+        .env("LAPSE_BROKER__HEARTBEAT", "5s")
+        .env("LAPSE_DATABASE__URL", db_url)
+        .env("LAPSE_DATABASE__POOL_SIZE", "4")
+        .env("LAPSE_TOPOLOGY__FILE", tiers)
+        .env("LAPSE_WORKER__SWEEPER", "false")
+        .env("LAPSE_WORKER__MIGRATE_ON_START", "false")
+        .env("LAPSE_WORKER__DRAIN_TIMEOUT", "5s")
+        .env("LAPSE_RELAY__TIER_TOLERANCE", "100ms")
+        .env("LAPSE_RELAY__POLL_INTERVAL", "200ms")
+        .env("LAPSE_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start lapse worker");
+    let due = Names::new(prefix.to_string()).due_queue();
+    let conn = lapse::amqp::broker::connect(&Secret::new(cluster.urls()), "lapse test")
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the worker process consuming",
+        || async {
+            let queue = channel
+                .queue_declare(
+                    due.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .unwrap();
+            (queue.consumer_count() >= 2).then_some(())
+        },
+    )
+    .await;
+    lapse::amqp::broker::close_quietly(&conn, "done").await;
+    child
 }
 
 /// The wait tier holding the most messages now.
