@@ -61,6 +61,7 @@ pub async fn run(
     token: CancellationToken,
 ) -> anyhow::Result<Report> {
     let sandbox = Sandbox::new(config)?;
+    picture::check_writable(&options.svg)?;
     tracing::info!(prefix = %sandbox.prefix, database = %sandbox.database, "demo starting");
     let outcome = run_in(&sandbox, &options, &token).await;
     let cleanup = if options.keep {

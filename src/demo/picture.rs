@@ -14,6 +14,29 @@ const BARS: usize = 40;
 const SLICES: usize = 60;
 
 /// Writes the picture to `path`.
+/// Fails, naming `--svg`, when the picture could not be written to `path`: checked
+/// before the run, so that a typo costs seconds, not the whole demo. A file that did
+/// not exist is removed again.
+pub fn check_writable(path: &Path) -> Result<(), crate::config::ConfigError> {
+    let existed = path.exists();
+    let problem = |e: std::io::Error| crate::config::ConfigError {
+        key: "--svg".into(),
+        problem: format!("cannot write the picture to {}: {e}", path.display()),
+    };
+    if path.is_dir() {
+        return Err(problem(std::io::Error::other("it is a directory")));
+    }
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(problem)?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
 pub fn draw(path: &Path, closes: &Closes, title: &str) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (1280, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(to_anyhow)?;

@@ -376,3 +376,34 @@ fn a_database_named_in_the_url_query_is_refused_before_anything_is_created() {
     assert!(stderr(&out).contains("database.url"), "{}", stderr(&out));
     assert!(stderr(&out).contains("dbname"), "{}", stderr(&out));
 }
+
+#[test]
+fn an_unwritable_picture_path_is_refused_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    for path in [
+        dir.path().join("no-such-dir").join("demo.svg"),
+        dir.path().to_path_buf(),
+    ] {
+        let started = std::time::Instant::now();
+        let out = run_lapse(
+            &[
+                "demo",
+                "--orders",
+                "10",
+                "--duration",
+                "30s",
+                "--svg",
+                path.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert_eq!(out.status.code(), Some(2), "{path:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--svg"), "{}", stderr(&out));
+        // Refused up front, not after the 30 s run.
+        assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    }
+    // The check leaves nothing behind where the file could be written.
+    let fine = dir.path().join("fine.svg");
+    lapse::demo::picture::check_writable(&fine).unwrap();
+    assert!(!fine.exists());
+}
