@@ -134,7 +134,7 @@ fn print_report(r: &Report) {
     println!(
         "  stock consistent       {}",
         if r.stock_consistent {
-            "yes (reservations back to their start, every unit available or sold)"
+            "yes (reservations back to their start, sold = the paid orders' units)"
         } else {
             "NO"
         }

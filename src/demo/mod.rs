@@ -228,6 +228,7 @@ async fn assemble(
     let client = pool.get().await?;
     let (p, closes) = report::gather(&**client, start).await?;
     let stock_end = report::stock(&**client).await?;
+    let paid_units = report::paid_units(&**client).await?;
     let lateness = Lateness::of(&closes.lateness_ms);
     let mut report = Report {
         orders: u64::from(o.orders),
@@ -243,7 +244,7 @@ async fn assemble(
         late_payments_refused: p.late_payments_refused,
         late_payments_accepted: counters.late_accepted.load(Ordering::Relaxed),
         early: p.early,
-        stock_consistent: report::stock_consistent(stock_start, &stock_end),
+        stock_consistent: report::stock_consistent(stock_start, &stock_end, &paid_units),
         stock_start: stock_start.to_vec(),
         stock_end,
         lateness_ms: lateness.clone(),

@@ -38,6 +38,22 @@ pub async fn stock<C: GenericClient>(client: &C) -> Result<Vec<StockRow>, DbErro
         .collect())
 }
 
+/// Units per SKU on the lines of PAID orders: what `sold` must have grown by.
+pub async fn paid_units<C: GenericClient>(client: &C) -> Result<BTreeMap<String, i64>, DbError> {
+    let rows = client
+        .query(
+            "SELECT l.sku, sum(l.qty)::int8 AS units
+               FROM order_lines l JOIN orders o ON o.id = l.order_id
+              WHERE o.status = 'PAID' GROUP BY l.sku",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get("sku"), r.get("units")))
+        .collect())
+}
+
 /// Orders not yet settled (UNPAID) and units still reserved.
 pub async fn unsettled<C: GenericClient>(client: &C) -> Result<(i64, i64), DbError> {
     let row = client
@@ -197,14 +213,20 @@ pub struct Partial {
     pub hops: BTreeMap<i32, i64>,
 }
 
-/// Stock is consistent when nothing stays reserved beyond the start's reservations
-/// and every unit is either available or sold, as at the start.
-pub fn stock_consistent(start: &[StockRow], end: &[StockRow]) -> bool {
+/// Stock is consistent when nothing stays reserved beyond the start's reservations,
+/// every unit is either available or sold, as at the start, and exactly the units of
+/// the paid orders' lines were sold (`paid`: units per SKU).
+pub fn stock_consistent(
+    start: &[StockRow],
+    end: &[StockRow],
+    paid: &BTreeMap<String, i64>,
+) -> bool {
     start.len() == end.len()
         && start.iter().zip(end).all(|(s, e)| {
             s.sku == e.sku
                 && e.reserved == s.reserved
                 && e.available + e.sold == s.available + s.sold
+                && e.sold - s.sold == paid.get(&s.sku).copied().unwrap_or(0)
         })
 }
 
@@ -264,8 +286,32 @@ mod tests {
             reserved,
             sold,
         };
-        assert!(stock_consistent(&[row(10, 0, 0)], &[row(7, 0, 3)]));
-        assert!(!stock_consistent(&[row(10, 0, 0)], &[row(7, 1, 2)]));
-        assert!(!stock_consistent(&[row(10, 0, 0)], &[row(8, 0, 3)]));
+        let paid = |n| BTreeMap::from([("apple".to_string(), n)]);
+        assert!(stock_consistent(
+            &[row(10, 0, 0)],
+            &[row(7, 0, 3)],
+            &paid(3)
+        ));
+        assert!(!stock_consistent(
+            &[row(10, 0, 0)],
+            &[row(7, 1, 2)],
+            &paid(2)
+        ));
+        assert!(!stock_consistent(
+            &[row(10, 0, 0)],
+            &[row(8, 0, 3)],
+            &paid(3)
+        ));
+        // Units conserved, but sold for orders that were not paid (or paid but unsold).
+        assert!(!stock_consistent(
+            &[row(10, 0, 0)],
+            &[row(7, 0, 3)],
+            &paid(2)
+        ));
+        assert!(stock_consistent(
+            &[row(10, 0, 0)],
+            &[row(10, 0, 0)],
+            &BTreeMap::new()
+        ));
     }
 }
