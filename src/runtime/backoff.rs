@@ -76,6 +76,10 @@ impl Backoff {
     }
 }
 
+/// A session that lasted this long was healthy: the failure that ended it starts the
+/// back-off from its first step again, instead of where an outage hours ago left it.
+pub const HEALTHY_SESSION: Duration = Duration::from_secs(10);
+
 /// Runs `session` until it returns `Ok` (a clean stop) or `token` is cancelled;
 /// after each error, logs it, reports the component down and waits with back-off
 /// before the next session. A fatal error ends the loop with [`Fatal`].
@@ -97,6 +101,7 @@ where
     let mut backoff = Backoff::jittered();
     health.connecting(component);
     while !token.is_cancelled() {
+        let began = tokio::time::Instant::now();
         match session().await {
             Ok(()) => break,
             Err(e) if e.is_fatal() => return Err(Fatal(format!("{component}: {e}"))),
@@ -105,6 +110,9 @@ where
                 health.down(component, e.to_string());
                 metrics::counter!(crate::observe::metric_catalog::RECONNECTS, "component" => component)
                     .increment(1);
+                if began.elapsed() >= HEALTHY_SESSION {
+                    backoff.reset();
+                }
                 backoff.sleep(token).await;
             }
         }
@@ -115,6 +123,59 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct Transient;
+    impl std::fmt::Display for Transient {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("connection reset")
+        }
+    }
+    impl SessionError for Transient {
+        fn is_fatal(&self) -> bool {
+            false
+        }
+    }
+
+    /// Six quick failures grow the back-off past 1.6 s; then a session runs for
+    /// a minute and fails: the next attempt comes after the first step (<= 100 ms),
+    /// not after seconds.
+    #[tokio::test(start_paused = true)]
+    async fn a_long_healthy_session_starts_the_back_off_again() {
+        let health = Health::new(Duration::from_secs(60));
+        let token = CancellationToken::new();
+        let starts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let calls = starts.clone();
+        reconnecting("test", &health, &token, move || {
+            let calls = calls.clone();
+            async move {
+                let n = {
+                    let mut c = calls.lock().unwrap();
+                    c.push(tokio::time::Instant::now());
+                    c.len()
+                };
+                match n {
+                    1..=6 => Err(Transient),
+                    7 => {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        Err(Transient)
+                    }
+                    _ => Ok(()),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        let starts = starts.lock().unwrap();
+        assert_eq!(starts.len(), 8);
+        let gap = |i: usize| starts[i] - starts[i - 1];
+        assert!(
+            gap(6) >= Duration::from_millis(1600),
+            "grown by then: {:?}",
+            gap(6)
+        );
+        let after_long = gap(7) - Duration::from_secs(60);
+        assert!(after_long <= Duration::from_millis(100), "{after_long:?}");
+    }
 
     #[test]
     fn plain_back_off_doubles_up_to_five_seconds() {
