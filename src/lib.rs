@@ -22,7 +22,7 @@
 //!   and panic message (a leaf: every layer may hold a secret).
 //!
 //! [`amqp`] — the broker adapters:
-//! - [`amqp::broker`]: connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout).
+//! - [`amqp::broker`]: connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout), and the one passive queue declare (counts, or missing).
 //! - [`amqp::publishing`]: a consumer's separate publishing connection; broker blocked notices.
 //! - [`amqp::batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
 //! - [`amqp::topology`]: the broker objects as data, and `plan` / `apply` / `verify`.

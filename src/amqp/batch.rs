@@ -47,10 +47,7 @@ impl BatchSource {
         queue: &str,
         prefetch: u16,
     ) -> Result<Self, BrokerError> {
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(BrokerError::amqp("channel.open"))?;
+        let channel = broker::open_channel(conn).await?;
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
@@ -138,16 +135,8 @@ impl BatchSource {
 
     /// Messages ready in the consumed queue (a passive declare on this channel).
     async fn ready(&self) -> Result<u32, BrokerError> {
-        let passive = lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let declared = self
-            .channel
-            .queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
-            .await
-            .map_err(BrokerError::amqp("queue.declare (passive)"))?;
-        Ok(declared.message_count())
+        let state = broker::passive_declare(&self.channel, &self.queue).await?;
+        Ok(state.existing(&self.queue)?.messages)
     }
 
     fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {

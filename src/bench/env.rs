@@ -306,19 +306,10 @@ impl BenchEnv {
         let until = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             self.check_workers()?;
-            let ch = self.conn.create_channel().await?;
-            let q = ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    lapin::types::FieldTable::default(),
-                )
-                .await?;
-            let _ = ch.close(200, "ok".into()).await;
-            if q.consumer_count() >= consumers {
+            let q = crate::amqp::broker::queue_state(&self.conn, &queue)
+                .await?
+                .existing(&queue)?;
+            if q.consumers >= consumers {
                 // The relay starts with the consumer; give it a moment to listen.
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 return Ok(pid);

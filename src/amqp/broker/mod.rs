@@ -18,10 +18,12 @@ use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKin
 
 mod addresses;
 mod publisher;
+mod queue;
 
 pub use addresses::{join as join_addresses, split as split_addresses};
 
 pub use publisher::{Outgoing, Publisher};
+pub use queue::{QueueCounts, QueueState, open_channel, passive_declare, queue_state};
 
 use crate::amqp::tls::{self, TlsFiles};
 use crate::redact::Secret;
@@ -75,6 +77,8 @@ pub enum BrokerError {
         "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
     )]
     MissingTier { queue: String },
+    #[error("the queue `{queue}` does not exist (`lapse topology apply` creates it)")]
+    QueueNotFound { queue: String },
 }
 
 impl BrokerError {
