@@ -10,7 +10,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use serde::{Deserialize, Serialize};
 
-use crate::amqp::topology::{DUE_ROUTING_KEY, Names};
+use crate::names::{DUE_ROUTING_KEY, Names};
 use crate::tier::{NextHop, Tier, TierSet};
 
 pub const MESSAGE_VERSION: u32 = 1;

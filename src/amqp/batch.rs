@@ -19,12 +19,9 @@ use tokio_util::time::DelayQueue;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint};
 
-/// The longest a delivery is held before it is decided again. Well below RabbitMQ's
-/// default `consumer_timeout` (30 min), which would close the channel over a longer
-/// unacknowledged hold.
-pub const MAX_HOLD: Duration = Duration::from_secs(10 * 60);
 use crate::amqp::publishing::{PublishingConnection, parked_copy};
 use crate::runtime::health::{Busy, Health};
+use crate::tier::MAX_HOLD;
 
 /// A consumer on one queue plus the deliveries held back until a moment (held
 /// timeouts, kept publishes).

@@ -22,7 +22,7 @@ use lapin::Connection;
 use tokio::time::Instant;
 
 use crate::amqp::broker::{self, BrokerError};
-use crate::amqp::topology::Names;
+use crate::names::Names;
 use crate::tier::Tier;
 
 /// How long a tier whose queue was seen stays believed to exist.

@@ -13,7 +13,7 @@ use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint, QueueState};
-use crate::amqp::topology::Names;
+use crate::names::Names;
 use crate::observe::metric_catalog as m;
 use crate::runtime::health::Health;
 use crate::runtime::supervisor::Fatal;

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::workload::Counters;
 use crate::amqp::broker::{self, Endpoint, QueueState};
-use crate::amqp::topology::Names;
+use crate::names::Names;
 use crate::tier::TierSet;
 
 /// How progress is shown.

@@ -14,11 +14,11 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::amqp::topology::Names;
 use crate::components::redelivery::{DELIVERY_COUNT_HEADER, returns_so_far};
 use crate::message::{
     PARK_REASON_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
 };
+use crate::names::Names;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

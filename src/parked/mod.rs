@@ -37,7 +37,7 @@ use serde::Serialize;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher, QueueState};
 use crate::amqp::publishing::Outgoing;
-use crate::amqp::topology::Names;
+use crate::names::Names;
 
 /// Messages read, published and acknowledged together.
 const CHUNK: usize = 100;

@@ -9,9 +9,11 @@
 
 use std::time::{Duration, Instant};
 
-use lapse::amqp::topology::{Names, TierFile, Topology};
+use lapse::amqp::topology::Topology;
 use lapse::config::{Config, Secret};
+use lapse::names::Names;
 use lapse::orders::Line;
+use lapse::tier_file::TierFile;
 
 use crate::helpers::{
     Running, assert_never_early, count, create_orders, database_url, drop_database, eventually,

@@ -8,8 +8,9 @@
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapse::amqp::management::Management;
-use lapse::amqp::topology::{Names, TierFile};
 use lapse::config::Secret;
+use lapse::names::Names;
+use lapse::tier_file::TierFile;
 use serde_json::Value;
 
 use crate::helpers::{

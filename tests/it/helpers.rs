@@ -9,11 +9,13 @@ use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use std::time::{Duration, Instant};
 
 use lapse::amqp::management::Management;
-use lapse::amqp::topology::{Names, TierFile, Topology};
+use lapse::amqp::topology::Topology;
 use lapse::config::{Config, Secret};
+use lapse::names::Names;
 use lapse::observe::stats::Stats;
 use lapse::orders::{self, Deadline, Line, OrderId};
 use lapse::runtime::service::Service;
+use lapse::tier_file::TierFile;
 use tokio_util::sync::CancellationToken;
 
 pub fn amqp_url() -> String {

@@ -8,8 +8,8 @@ use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use lapse::amqp::broker::Publisher;
-use lapse::amqp::topology::DUE_ROUTING_KEY;
 use lapse::message::{TimeoutMessage, park_reason};
+use lapse::names::DUE_ROUTING_KEY;
 use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Line};
 

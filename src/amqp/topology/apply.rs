@@ -12,9 +12,10 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind as LapinKind};
 use serde::Serialize;
 
-use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, Names, QueueSpec, Topology};
+use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, QueueSpec, Topology};
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
+use crate::names::Names;
 
 /// An object that exists with other properties than the topology wants.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
