@@ -188,6 +188,21 @@ pub fn header_text(headers: Option<&FieldTable>, key: &str) -> Option<String> {
     }
 }
 
+/// An integer header value (any of AMQP's integer widths) as an `i64`; `None` for
+/// anything else (a number sent as text is not one).
+pub fn int_value(value: &AMQPValue) -> Option<i64> {
+    Some(match value {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => *n,
+        _ => return None,
+    })
+}
+
 mod millis {
     //! `expire_at` as RFC 3339 with millisecond precision, UTC. Encoding rounds up (a
     //! deadline is never carried earlier than it is); decoding refuses an instant

@@ -233,15 +233,11 @@ pub fn headers_json(headers: Option<&FieldTable>) -> Value {
 }
 
 fn value_json(v: &AMQPValue) -> Value {
+    if let Some(n) = crate::message::int_value(v) {
+        return n.into();
+    }
     match v {
         AMQPValue::Boolean(b) => Value::Bool(*b),
-        AMQPValue::ShortShortInt(n) => (*n).into(),
-        AMQPValue::ShortShortUInt(n) => (*n).into(),
-        AMQPValue::ShortInt(n) => (*n).into(),
-        AMQPValue::ShortUInt(n) => (*n).into(),
-        AMQPValue::LongInt(n) => (*n).into(),
-        AMQPValue::LongUInt(n) => (*n).into(),
-        AMQPValue::LongLongInt(n) => (*n).into(),
         AMQPValue::Float(n) => (*n).into(),
         AMQPValue::Double(n) => (*n).into(),
         AMQPValue::ShortString(s) => s.to_string().into(),
