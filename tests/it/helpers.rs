@@ -401,9 +401,13 @@ where
     }
 }
 
-/// Counts rows of a query returning one bigint.
+/// The one bigint a query returns (one row, one column), e.g. a `count(*)`. The
+/// query runs as a scalar subquery, which names its column.
 pub async fn count(db: &tokio_postgres::Client, sql: &str) -> i64 {
-    db.query_one(sql, &[]).await.unwrap().get(0)
+    db.query_one(&format!("SELECT ({sql}) AS n"), &[])
+        .await
+        .unwrap()
+        .get("n")
 }
 
 /// Creates one order per deadline with `lines` (SKUs get ample stock), 10 per
