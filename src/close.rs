@@ -57,13 +57,32 @@ impl Closed {
     }
 }
 
+/// The stock-release outbox row of each order in the CTE `$source` (column `id`), with
+/// the order's lines: the event the releaser consumes. The close writes it, and the
+/// reconciler writes the same row again for a release lost after its close.
+macro_rules! release_outbox_insert {
+    ($source:literal) => {
+        concat!(
+            "INSERT INTO outbox (kind, order_id, payload)
+    SELECT 'stock.release', c.id, jsonb_build_object('order_id', c.id, 'lines',
+           jsonb_agg(jsonb_build_object('sku', l.sku, 'qty', l.qty)))
+      FROM ",
+            $source,
+            " c JOIN order_lines l ON l.order_id = c.id
+     GROUP BY c.id"
+        )
+    };
+}
+pub(crate) use release_outbox_insert;
+
 /// Locks what it closes with `SKIP LOCKED`: a row someone else holds (an application
 /// inside `SELECT ... FOR UPDATE` around a slow payment call) is left alone and
 /// reported as locked, instead of making the whole batch wait for it. The lock is
 /// `FOR NO KEY UPDATE`, the one the UPDATE itself takes: it does not conflict with the
 /// key-share locks of inserts into tables that reference `orders`, so an application
 /// writing such a row (an audit entry, a shipment) does not defer the close.
-const CLOSE_SQL: &str = "
+const CLOSE_SQL: &str = concat!(
+    "
 WITH due AS (
     SELECT DISTINCT ON (id) id, v, hops
       FROM unnest($1::bigint[], $2::int[], $3::int[]) AS d(id, v, hops)
@@ -86,11 +105,9 @@ closed AS (
     RETURNING o.id, o.expire_at, o.closed_at, l.hops
 ),
 release AS (
-    INSERT INTO outbox (kind, order_id, payload)
-    SELECT 'stock.release', c.id, jsonb_build_object('order_id', c.id, 'lines',
-           jsonb_agg(jsonb_build_object('sku', l.sku, 'qty', l.qty)))
-      FROM closed c JOIN order_lines l ON l.order_id = c.id
-     GROUP BY c.id
+    ",
+    release_outbox_insert!("closed"),
+    "
 ),
 events AS (
     INSERT INTO order_events (order_id, event, detail)
@@ -100,7 +117,8 @@ events AS (
 )
 SELECT id, expire_at, closed_at FROM closed
 UNION ALL
-SELECT id, NULL, NULL FROM eligible WHERE id NOT IN (SELECT id FROM locked)";
+SELECT id, NULL, NULL FROM eligible WHERE id NOT IN (SELECT id FROM locked)"
+);
 
 /// What one close statement did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

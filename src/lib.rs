@@ -10,8 +10,11 @@
 //! `docs/architecture.md`, "Layers").
 //!
 //! Domain and shared ground:
-//! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its validation.
-//! - [`tier`]: delay tiers and the rule that picks the next hop for a deadline.
+//! - [`config`]: the typed configuration tree (defaults, TOML, `LAPSE_` env) and its
+//!   validation; the split of a multi-address `broker.url`; the logging variables' names.
+//! - [`tier`]: delay tiers, the rule that picks the next hop for a deadline, the longest hold.
+//! - [`tier_file`]: the tier file (`topology/*.toml`), parsed and validated whole.
+//! - [`names`]: the broker object names of one prefix and the routing keys that join them.
 //! - [`deadline`]: what a deadline may be (range, rounding up, checked durations).
 //! - [`message`]: the timeout message, its encoding and its next route.
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
@@ -21,8 +24,9 @@
 //! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
 //!   and panic message (a leaf: every layer may hold a secret).
 //!
-//! [`amqp`] — the broker adapters:
-//! - [`amqp::broker`]: connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout).
+//! [`amqp`] — the broker adapters ([`amqp::endpoint`] builds the broker endpoint from
+//! the `[broker]` section):
+//! - [`amqp::broker`]: connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout), and the one passive queue declare (counts, or missing).
 //! - [`amqp::publishing`]: a consumer's separate publishing connection; broker blocked notices.
 //! - [`amqp::batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
 //! - [`amqp::topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
@@ -50,7 +54,7 @@
 //! - [`runtime::shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //!
 //! [`observe`] — what lapse tells the outside:
-//! - [`observe::telemetry`]: structured logs.
+//! - [`observe::telemetry`]: structured logs (`LAPSE_LOG`, `LAPSE_LOG_FORMAT`).
 //! - [`observe::metric_catalog`]: every exported metric's name, help text and buckets.
 //! - [`observe::stats`]: outcome counters and the lateness histogram.
 //! - [`observe::http`]: the `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
@@ -73,6 +77,7 @@ pub mod db;
 pub mod deadline;
 pub mod demo;
 pub mod message;
+pub mod names;
 pub mod observe;
 pub mod orders;
 pub mod parked;
@@ -80,4 +85,5 @@ pub mod redact;
 pub mod runtime;
 pub mod status;
 pub mod tier;
+pub mod tier_file;
 pub mod timeline;

@@ -10,7 +10,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use serde::{Deserialize, Serialize};
 
-use crate::amqp::topology::{DUE_ROUTING_KEY, Names};
+use crate::names::{DUE_ROUTING_KEY, Names};
 use crate::tier::{NextHop, Tier, TierSet};
 
 pub const MESSAGE_VERSION: u32 = 1;
@@ -186,6 +186,21 @@ pub fn header_text(headers: Option<&FieldTable>, key: &str) -> Option<String> {
         AMQPValue::ShortString(s) => Some(s.to_string()),
         _ => None,
     }
+}
+
+/// An integer header value (any of AMQP's integer widths) as an `i64`; `None` for
+/// anything else (a number sent as text is not one).
+pub fn int_value(value: &AMQPValue) -> Option<i64> {
+    Some(match value {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => *n,
+        _ => return None,
+    })
 }
 
 mod millis {

@@ -11,12 +11,10 @@ pub mod watch;
 
 use std::time::Duration;
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use serde::Serialize;
 use tokio_postgres::GenericClient;
 
-use crate::amqp::broker::BrokerError;
+use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::topology::{QueueRole, Topology};
 use crate::db::{DbError, column};
 
@@ -87,30 +85,12 @@ pub async fn collect_with_grace<C: GenericClient>(
 ) -> Result<Status, StatusError> {
     let mut queues = Vec::new();
     for q in &topology.queues {
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(BrokerError::amqp("channel.open"))?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let (messages, consumers) = match channel
-            .queue_declare(q.name.as_str().into(), passive, FieldTable::default())
-            .await
-        {
-            Ok(found) => {
-                let _ = channel.close(200, "done".into()).await;
-                (Some(found.message_count()), Some(found.consumer_count()))
-            }
-            Err(e) if crate::amqp::broker::not_found(&e) => (None, None),
-            Err(e) => return Err(BrokerError::amqp("queue.declare")(e).into()),
-        };
+        let counts = broker::queue_state(conn, &q.name).await?.counts();
         queues.push(QueueDepth {
             queue: q.name.clone(),
             role: role_name(&q.role),
-            messages,
-            consumers,
+            messages: counts.map(|c| c.messages),
+            consumers: counts.map(|c| c.consumers),
         });
     }
     let sane = crate::deadline::in_range_sql("expire_at");

@@ -19,12 +19,9 @@ use tokio_util::time::DelayQueue;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint};
 
-/// The longest a delivery is held before it is decided again. Well below RabbitMQ's
-/// default `consumer_timeout` (30 min), which would close the channel over a longer
-/// unacknowledged hold.
-pub const MAX_HOLD: Duration = Duration::from_secs(10 * 60);
 use crate::amqp::publishing::{PublishingConnection, parked_copy};
 use crate::runtime::health::{Busy, Health};
+use crate::tier::MAX_HOLD;
 
 /// A consumer on one queue plus the deliveries held back until a moment (held
 /// timeouts, kept publishes).
@@ -47,10 +44,7 @@ impl BatchSource {
         queue: &str,
         prefetch: u16,
     ) -> Result<Self, BrokerError> {
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(BrokerError::amqp("channel.open"))?;
+        let channel = broker::open_channel(conn).await?;
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
             .await
@@ -138,16 +132,8 @@ impl BatchSource {
 
     /// Messages ready in the consumed queue (a passive declare on this channel).
     async fn ready(&self) -> Result<u32, BrokerError> {
-        let passive = lapin::options::QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let declared = self
-            .channel
-            .queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
-            .await
-            .map_err(BrokerError::amqp("queue.declare (passive)"))?;
-        Ok(declared.message_count())
+        let state = broker::passive_declare(&self.channel, &self.queue).await?;
+        Ok(state.existing(&self.queue)?.messages)
     }
 
     fn unwrap(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, BrokerError> {

@@ -8,3 +8,23 @@ pub mod publishing;
 pub mod tier_check;
 pub mod tls;
 pub mod topology;
+
+use crate::config::{BrokerConfig, BrokerTlsConfig};
+
+/// The broker as the `[broker]` section describes it: URL (one or several addresses),
+/// `tls.*` files (read now) and `confirm_timeout`.
+pub fn endpoint(config: &BrokerConfig) -> Result<broker::Endpoint, tls::TlsError> {
+    let mut endpoint = broker::Endpoint::new(config.url.clone());
+    endpoint.tls = tls_files(&config.tls)?;
+    endpoint.confirm_timeout = config.confirm_timeout;
+    Ok(endpoint)
+}
+
+/// The files `broker.tls.*` names, read and checked.
+pub fn tls_files(config: &BrokerTlsConfig) -> Result<tls::TlsFiles, tls::TlsError> {
+    tls::TlsFiles::load(
+        config.ca_file.as_deref(),
+        config.cert_file.as_deref(),
+        config.key_file.as_deref(),
+    )
+}

@@ -19,12 +19,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::Connection;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use tokio::time::Instant;
 
 use crate::amqp::broker::{self, BrokerError};
-use crate::amqp::topology::Names;
+use crate::names::Names;
 use crate::tier::Tier;
 
 /// How long a tier whose queue was seen stays believed to exist.
@@ -81,33 +79,12 @@ impl TierCheck {
     /// One passive declare on a throwaway channel.
     async fn exists(&self, conn: &Connection, tier: Tier) -> Result<bool, BrokerError> {
         let queue = self.names.wait_queue(tier);
-        let ask = async {
-            let channel = conn
-                .create_channel()
-                .await
-                .map_err(BrokerError::amqp("channel.open"))?;
-            let options = QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            let exists = match channel
-                .queue_declare(queue.as_str().into(), options, FieldTable::default())
-                .await
-            {
-                Ok(_) => true,
-                Err(e) if broker::not_found(&e) => false,
-                Err(e) => return Err(BrokerError::amqp("queue.declare")(e)),
-            };
-            if channel.status().connected() {
-                let _ = channel.close(200, "checked".into()).await;
-            }
-            Ok(exists)
-        };
-        tokio::time::timeout(self.timeout, ask)
+        tokio::time::timeout(self.timeout, broker::queue_state(conn, &queue))
             .await
             .unwrap_or(Err(BrokerError::ConfirmTimeout {
                 after: self.timeout,
             }))
+            .map(|state| state.counts().is_some())
     }
 }
 

@@ -13,9 +13,11 @@ use tokio::process::{Child, Command};
 
 use super::cpu;
 use crate::amqp::broker::Endpoint;
-use crate::amqp::topology::{self, Names, TierFile, Topology};
+use crate::amqp::topology::{self, Topology};
 use crate::config::{Config, Secret};
 use crate::db;
+use crate::names::Names;
+use crate::tier_file::TierFile;
 
 /// The services and names one benchmark run uses.
 pub struct BenchEnv {
@@ -60,7 +62,7 @@ impl BenchEnv {
         let mut config = config.clone();
         config.database.url = database_url.clone();
         config.broker.prefix = prefix.to_string();
-        let endpoint = config.broker.endpoint()?;
+        let endpoint = crate::amqp::endpoint(&config.broker)?;
         let conn = endpoint.connect("lapse bench").await?;
         let mut env = Self {
             names: Names::new(prefix),
@@ -285,7 +287,7 @@ impl BenchEnv {
     }
 
     pub fn endpoint(&self) -> anyhow::Result<Endpoint> {
-        Ok(self.config.broker.endpoint()?)
+        Ok(crate::amqp::endpoint(&self.config.broker)?)
     }
 }
 
@@ -306,19 +308,10 @@ impl BenchEnv {
         let until = tokio::time::Instant::now() + Duration::from_secs(60);
         loop {
             self.check_workers()?;
-            let ch = self.conn.create_channel().await?;
-            let q = ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    lapin::types::FieldTable::default(),
-                )
-                .await?;
-            let _ = ch.close(200, "ok".into()).await;
-            if q.consumer_count() >= consumers {
+            let q = crate::amqp::broker::queue_state(&self.conn, &queue)
+                .await?
+                .existing(&queue)?;
+            if q.consumers >= consumers {
                 // The relay starts with the consumer; give it a moment to listen.
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 return Ok(pid);

@@ -17,8 +17,10 @@ use super::cpu;
 use super::env::BenchEnv;
 use super::progress::Progress;
 use super::report::{CpuPerThousand, Lateness, ScenarioReport};
-use crate::amqp::topology::{Names, TierFile, Topology};
+use crate::amqp::topology::Topology;
+use crate::names::Names;
 use crate::tier::{Tier, TierSet};
+use crate::tier_file::TierFile;
 
 /// How the raw phases run.
 #[derive(Clone, Copy, Debug)]

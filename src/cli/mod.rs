@@ -138,11 +138,18 @@ impl Cli {
         }
     }
 
+    /// The validated configuration, its `broker.tls.*` files read and checked too
+    /// (that check needs the TLS adapter, which the configuration layer sits below).
     pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
-        match &self.config {
+        let config = match &self.config {
             Some(path) => Config::load(path, true),
             None => Config::load(std::path::Path::new(DEFAULT_CONFIG_FILE), false),
-        }
+        }?;
+        crate::amqp::tls_files(&config.broker.tls).map_err(|e| crate::config::ConfigError {
+            key: "broker.tls".into(),
+            problem: e.to_string(),
+        })?;
+        Ok(config)
     }
 }
 
@@ -168,4 +175,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
 pub(crate) fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    // figment's Jail closures return its (large) error type by design.
+    #![allow(clippy::result_large_err)]
+    use clap::Parser;
+
+    #[test]
+    fn a_missing_ca_file_is_refused_naming_the_key_and_the_file() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_dir("topology")?;
+            jail.create_file("topology/default.toml", "tiers = [\"1s\"]")?;
+            jail.set_env("LAPSE_BROKER__URL", "amqps://u:hunter2@h/%2f");
+            jail.set_env("LAPSE_BROKER__TLS__CA_FILE", "/nonexistent/ca.pem");
+            let err = super::Cli::parse_from(["lapse", "status"])
+                .load_config()
+                .unwrap_err();
+            assert_eq!(err.key, "broker.tls");
+            assert!(err.problem.contains("/nonexistent/ca.pem"), "{err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+            Ok(())
+        });
+    }
 }

@@ -122,7 +122,7 @@ impl Select {
 }
 
 pub async fn run(config: &Config, command: ParkedCommand) -> anyhow::Result<ExitStatus> {
-    let endpoint = config.broker.endpoint()?;
+    let endpoint = crate::amqp::endpoint(&config.broker)?;
     let router = match &command {
         ParkedCommand::Replay { .. } => Some(Router::new(
             config.names(),

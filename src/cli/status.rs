@@ -238,7 +238,7 @@ pub async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<ExitStatus
     let mut sources = Sources {
         config,
         topology: Topology::new(&config.names(), &config.tier_file()?),
-        endpoint: config.broker.endpoint()?,
+        endpoint: crate::amqp::endpoint(&config.broker)?,
         pool: crate::db::pool(&config.database, 1)?,
         conn: None,
     };

@@ -64,7 +64,7 @@ pub enum TopologyCommand {
 pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<ExitStatus> {
     let names = config.names();
     let vhost = broker::vhost(&config.broker.url);
-    let endpoint = config.broker.endpoint()?;
+    let endpoint = crate::amqp::endpoint(&config.broker)?;
     let management = config
         .broker
         .management_url
@@ -184,6 +184,6 @@ async fn group_size(config: &Config, management: Option<&Management>) -> u32 {
         Some(m) => m.nodes().await.ok().map(|nodes| nodes.len()),
         None => None,
     };
-    let nodes = listed.unwrap_or_else(|| broker::split_addresses(&config.broker.url).len());
+    let nodes = listed.unwrap_or_else(|| crate::config::split_addresses(&config.broker.url).len());
     topology::default_group_size(nodes)
 }

@@ -10,12 +10,10 @@
 use std::time::Duration;
 
 use lapin::Connection;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::broker::{self, BrokerError, Endpoint};
-use crate::amqp::topology::Names;
+use crate::amqp::broker::{self, BrokerError, Endpoint, QueueState};
+use crate::names::Names;
 use crate::observe::metric_catalog as m;
 use crate::runtime::health::Health;
 use crate::runtime::supervisor::Fatal;
@@ -100,16 +98,17 @@ async fn session(
 
 async fn sample_all(conn: &Connection, queues: &[Sampled]) -> Result<(), BrokerError> {
     for q in queues {
-        let counts = tokio::time::timeout(ASK_TIMEOUT, counts(conn, &q.name))
+        // A channel of its own per ask: a 404 closes the channel it ran on.
+        let state = tokio::time::timeout(ASK_TIMEOUT, broker::queue_state(conn, &q.name))
             .await
             .unwrap_or(Err(BrokerError::ConfirmTimeout { after: ASK_TIMEOUT }))?;
         let labels = [("queue", q.queue.to_string()), ("tier", q.tier.clone())];
-        match counts {
-            Some((messages, consumers)) => {
-                metrics::gauge!(m::QUEUE_MESSAGES, &labels).set(f64::from(messages));
-                metrics::gauge!(m::QUEUE_CONSUMERS, &labels).set(f64::from(consumers));
+        match state {
+            QueueState::Exists(counts) => {
+                metrics::gauge!(m::QUEUE_MESSAGES, &labels).set(f64::from(counts.messages));
+                metrics::gauge!(m::QUEUE_CONSUMERS, &labels).set(f64::from(counts.consumers));
             }
-            None => {
+            QueueState::Missing => {
                 // A missing queue has no messages and no consumers: the alert on a
                 // due queue without consumers fires, `lapse topology verify` says why.
                 tracing::debug!(queue = %q.name, "queue gauges: queue not found");
@@ -119,29 +118,4 @@ async fn sample_all(conn: &Connection, queues: &[Sampled]) -> Result<(), BrokerE
         }
     }
     Ok(())
-}
-
-/// Message and consumer counts of `queue`, or `None` when it does not exist. Each ask
-/// has a channel of its own: a 404 closes the channel it ran on.
-async fn counts(conn: &Connection, queue: &str) -> Result<Option<(u32, u32)>, BrokerError> {
-    let channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::amqp("channel.open"))?;
-    let options = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let answer = match channel
-        .queue_declare(queue.into(), options, FieldTable::default())
-        .await
-    {
-        Ok(q) => Some((q.message_count(), q.consumer_count())),
-        Err(e) if broker::not_found(&e) => None,
-        Err(e) => return Err(BrokerError::amqp("queue.declare")(e)),
-    };
-    if channel.status().connected() {
-        let _ = channel.close(200, "sampled".into()).await;
-    }
-    Ok(answer)
 }

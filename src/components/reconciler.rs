@@ -77,7 +77,8 @@ UPDATE orders o SET released_at = clock_timestamp()
 
 /// The n-th re-emission waits `release_grace * 2^(n-1)` after the previous one (the
 /// exponent is capped so the interval stays finite whatever an operator writes).
-const REEMIT_SQL: &str = "
+const REEMIT_SQL: &str = concat!(
+    "
 WITH pending AS MATERIALIZED (
     -- One pass over the outbox per page, whatever the planner thinks of it.
     SELECT DISTINCT order_id FROM outbox WHERE kind = 'stock.release' AND order_id = ANY($1)
@@ -95,18 +96,17 @@ lost AS (
     RETURNING o.id, o.release_repairs
 ),
 emitted AS (
-    INSERT INTO outbox (kind, order_id, payload)
-    SELECT 'stock.release', c.id, jsonb_build_object('order_id', c.id, 'lines',
-           jsonb_agg(jsonb_build_object('sku', l.sku, 'qty', l.qty)))
-      FROM lost c JOIN order_lines l ON l.order_id = c.id
-     GROUP BY c.id
+    ",
+    crate::close::release_outbox_insert!("lost"),
+    "
 ),
 events AS (
     INSERT INTO order_events (order_id, event, detail)
     SELECT id, 'release_repaired', jsonb_build_object('by', 'reconciler', 'repair', release_repairs)
       FROM lost
 )
-SELECT count(*) AS repaired FROM lost";
+SELECT count(*) AS repaired FROM lost"
+);
 
 const EXHAUSTED_SQL: &str = "
 SELECT count(*) AS exhausted FROM orders

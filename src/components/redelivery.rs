@@ -58,16 +58,7 @@ fn count(headers: Option<&FieldTable>, key: &str) -> u32 {
     let Some(value) = headers.and_then(|h| h.inner().get(key)) else {
         return 0;
     };
-    let n: i128 = match value {
-        AMQPValue::ShortShortInt(n) => (*n).into(),
-        AMQPValue::ShortShortUInt(n) => (*n).into(),
-        AMQPValue::ShortInt(n) => (*n).into(),
-        AMQPValue::ShortUInt(n) => (*n).into(),
-        AMQPValue::LongInt(n) => (*n).into(),
-        AMQPValue::LongUInt(n) => (*n).into(),
-        AMQPValue::LongLongInt(n) => (*n).into(),
-        _ => 0,
-    };
+    let n = crate::message::int_value(value).unwrap_or(0);
     u32::try_from(n.max(0)).unwrap_or(u32::MAX)
 }
 

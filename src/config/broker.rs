@@ -9,25 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use super::{BrokerConfig, ConfigError};
-use crate::amqp::broker::Endpoint;
-use crate::amqp::tls::{TlsError, TlsFiles};
 use crate::redact::Secret;
-
-impl BrokerConfig {
-    /// The broker as the `[broker]` section describes it: URL (one or several
-    /// addresses), `tls.*` files (read now) and `confirm_timeout`.
-    pub fn endpoint(&self) -> Result<Endpoint, TlsError> {
-        let t = &self.tls;
-        let mut endpoint = Endpoint::new(self.url.clone());
-        endpoint.tls = TlsFiles::load(
-            t.ca_file.as_deref(),
-            t.cert_file.as_deref(),
-            t.key_file.as_deref(),
-        )?;
-        endpoint.confirm_timeout = self.confirm_timeout;
-        Ok(endpoint)
-    }
-}
 
 /// Query parameters of an AMQP URL that lapin reads; anything else would be ignored.
 const AMQP_QUERY_KEYS: [&str; 5] = [
@@ -39,7 +21,7 @@ const AMQP_QUERY_KEYS: [&str; 5] = [
 ];
 
 pub(super) fn validate(broker: &BrokerConfig) -> Result<(), ConfigError> {
-    let all = crate::amqp::broker::split_addresses(&broker.url);
+    let all = super::split_addresses(&broker.url);
     let mut first: Option<lapin::uri::AMQPUri> = None;
     for (i, address) in all.iter().enumerate() {
         // With several addresses the problem says which one (never the URL itself).
@@ -78,12 +60,6 @@ pub(super) fn validate(broker: &BrokerConfig) -> Result<(), ConfigError> {
             "is set, but broker.url is amqp:// (no TLS); use amqps://",
         ));
     }
-    TlsFiles::load(
-        tls.ca_file.as_deref(),
-        tls.cert_file.as_deref(),
-        tls.key_file.as_deref(),
-    )
-    .map_err(|e| ConfigError::new("broker.tls", e.to_string()))?;
     if broker.confirm_timeout == Duration::ZERO {
         return Err(ConfigError::new(
             "broker.confirm_timeout",
@@ -162,15 +138,6 @@ mod tests {
         assert_eq!(err.key, "broker.tls");
         assert!(err.problem.contains("amqps://"), "{err}");
         assert!(!err.to_string().contains("hunter2"), "{err}");
-    }
-
-    #[test]
-    fn a_missing_ca_file_is_refused_naming_it() {
-        let mut b = broker("amqps://u:hunter2@h/%2f");
-        b.tls.ca_file = Some("/nonexistent/ca.pem".into());
-        let err = validate(&b).unwrap_err();
-        assert_eq!(err.key, "broker.tls");
-        assert!(err.problem.contains("/nonexistent/ca.pem"), "{err}");
     }
 
     #[test]

@@ -35,12 +35,20 @@ impl Config {
     }
 }
 
+/// The log filter variable.
+pub const LOG_VAR: &str = "LAPSE_LOG";
+/// The log format variable: `text` or `json`.
+pub const LOG_FORMAT_VAR: &str = "LAPSE_LOG_FORMAT";
+/// The `LAPSE_` variables that belong to logging, not to the configuration tree; the
+/// telemetry setup reads them.
+pub const LOG_ENV_VARS: [&str; 2] = [LOG_VAR, LOG_FORMAT_VAR];
+
 /// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
-/// ones ([`crate::observe::telemetry::ENV_VARS`]), which are read by the telemetry setup.
+/// ones ([`LOG_ENV_VARS`]).
 pub fn env() -> Env {
     Env::prefixed("LAPSE_")
         .filter(|key| {
-            !crate::observe::telemetry::ENV_VARS
+            !LOG_ENV_VARS
                 .iter()
                 .any(|var| var.strip_prefix("LAPSE_").is_some_and(|v| key == v))
         })

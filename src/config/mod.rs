@@ -1,7 +1,7 @@
 //! One typed configuration tree: named defaults, then the TOML file, then
 //! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
-//! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys (see
-//! [`crate::observe::telemetry`]).
+//! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys ([`LOG_ENV_VARS`]; read
+//! by [`crate::observe::telemetry`]).
 //!
 //! Invariants: every error names the key it is about; credentials (the broker and
 //! database URLs) never appear in `Debug` output or in error messages.
@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::amqp::topology::{Names, TierFile};
+use crate::names::Names;
+use crate::tier_file::TierFile;
 
 /// The file read when `--config` is not given; defaults apply when it is absent.
 pub const DEFAULT_CONFIG_FILE: &str = "lapse.toml";
@@ -35,7 +36,8 @@ impl ConfigError {
 }
 
 pub use crate::redact::Secret;
-pub use load::env;
+pub use addresses::{join_addresses, split_addresses};
+pub use load::{LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -372,6 +374,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
+mod addresses;
 mod load;
 mod moved;
 mod timing;

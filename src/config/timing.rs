@@ -21,7 +21,7 @@ impl Config {
             "worker.lock_retry",
             self.worker.lock_retry,
             ms,
-            Some(crate::amqp::batch::MAX_HOLD),
+            Some(crate::tier::MAX_HOLD),
         )?;
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
         // Shorter than a second, every shutdown would be abandoned (exit 1).
@@ -59,7 +59,7 @@ impl BrokerConfig {
     /// rule: `heartbeat=0` would switch off the bound on a frozen worker.
     fn validate_url_heartbeat(&self) -> Result<(), ConfigError> {
         use std::str::FromStr;
-        for address in crate::amqp::broker::split_addresses(&self.url) {
+        for address in super::split_addresses(&self.url) {
             let Ok(uri) = lapin::uri::AMQPUri::from_str(address.expose()) else {
                 continue; // reported as an invalid URL by the caller's URL check
             };
@@ -78,7 +78,7 @@ impl BrokerConfig {
     /// names one itself; each address on its own when it names several. Used by the
     /// worker's connections.
     pub fn url_with_heartbeat(&self) -> Secret {
-        let all: Vec<Secret> = crate::amqp::broker::split_addresses(&self.url)
+        let all: Vec<Secret> = super::split_addresses(&self.url)
             .into_iter()
             .map(|address| {
                 let Ok(mut url) = url::Url::parse(address.expose()) else {
@@ -92,7 +92,7 @@ impl BrokerConfig {
                 Secret::new(String::from(url))
             })
             .collect();
-        crate::amqp::broker::join_addresses(&all)
+        super::join_addresses(&all)
     }
 }
 

@@ -118,7 +118,7 @@ async fn run_in(
     let progress = Progress {
         orders: u64::from(o.orders),
         pool: pool.clone(),
-        endpoint: config.broker.endpoint()?,
+        endpoint: crate::amqp::endpoint(&config.broker)?,
         names: config.names(),
         tiers: tiers.clone(),
         counters: counters.clone(),

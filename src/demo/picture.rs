@@ -74,19 +74,7 @@ where
     } else {
         "Close lateness, ms (close time minus deadline)".to_string()
     };
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 16))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0f64..end, 0u32..top + top / 10 + 1)
-        .map_err(to_anyhow)?;
-    chart
-        .configure_mesh()
-        .x_desc("lateness (ms)")
-        .y_desc("orders closed")
-        .draw()
-        .map_err(to_anyhow)?;
+    let mut chart = frame(area, caption, end, top, ("lateness (ms)", "orders closed"))?;
     chart
         .draw_series(counts.iter().enumerate().map(|(i, n)| {
             let x0 = i as f64 * width;
@@ -95,13 +83,7 @@ where
         .map_err(to_anyhow)?
         .label("closes per lateness bucket")
         .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.mix(0.6).filled()));
-    chart
-        .configure_series_labels()
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.8))
-        .draw()
-        .map_err(to_anyhow)?;
-    Ok(())
+    legend(&mut chart)
 }
 
 fn over_time<DB: DrawingBackend>(
@@ -128,22 +110,13 @@ where
     let due = per_slice(&closes.due_s);
     let closed = per_slice(&closes.closed_s);
     let top = due.iter().chain(&closed).copied().max().unwrap_or(0).max(1);
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!("Deadlines falling due and closes, per {slice:.2} s"),
-            ("sans-serif", 16),
-        )
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0f64..span + slice, 0u32..top + top / 10 + 1)
-        .map_err(to_anyhow)?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds since the start")
-        .y_desc("orders")
-        .draw()
-        .map_err(to_anyhow)?;
+    let mut chart = frame(
+        area,
+        format!("Deadlines falling due and closes, per {slice:.2} s"),
+        span + slice,
+        top,
+        ("seconds since the start", "orders"),
+    )?;
     let points = |counts: Vec<u32>| {
         counts
             .into_iter()
@@ -160,6 +133,48 @@ where
         .map_err(to_anyhow)?
         .label("closes")
         .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], BLUE.stroke_width(2)));
+    legend(&mut chart)
+}
+
+type Chart<'a, DB> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordu32>,
+>;
+
+/// The frame both charts share: caption, margins, x from 0 to `x_end`, y from 0 to
+/// `top` with a tenth of headroom, and the axis descriptions.
+fn frame<'a, DB: DrawingBackend>(
+    area: &'a DrawingArea<DB, plotters::coord::Shift>,
+    caption: String,
+    x_end: f64,
+    top: u32,
+    (x_desc, y_desc): (&str, &str),
+) -> anyhow::Result<Chart<'a, DB>>
+where
+    DB::ErrorType: 'static,
+{
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 16))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0f64..x_end, 0u32..top + top / 10 + 1)
+        .map_err(to_anyhow)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(to_anyhow)?;
+    Ok(chart)
+}
+
+/// The legend of a chart's series, in the one style of both charts.
+fn legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
     chart
         .configure_series_labels()
         .border_style(BLACK)

@@ -8,12 +8,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use lapin::options::QueueDeclareOptions;
 use tokio_util::sync::CancellationToken;
 
 use super::workload::Counters;
-use crate::amqp::broker::Endpoint;
-use crate::amqp::topology::Names;
+use crate::amqp::broker::{self, Endpoint, QueueState};
+use crate::names::Names;
 use crate::tier::TierSet;
 
 /// How progress is shown.
@@ -157,17 +156,12 @@ impl Progress {
             && let Ok(channel) = conn.create_channel().await
         {
             for tier in self.tiers.iter() {
-                let options = QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                };
                 let name = self.names.wait_queue(tier);
-                match channel
-                    .queue_declare(name.as_str().into(), options, Default::default())
-                    .await
-                {
-                    Ok(q) => snap.waiting.push((tier.name(), q.message_count())),
-                    Err(_) => break,
+                match broker::passive_declare(&channel, &name).await {
+                    Ok(QueueState::Exists(counts)) => {
+                        snap.waiting.push((tier.name(), counts.messages))
+                    }
+                    Ok(QueueState::Missing) | Err(_) => break,
                 }
             }
             let _ = channel.close(200, "done".into()).await;

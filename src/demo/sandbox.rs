@@ -88,7 +88,7 @@ impl Sandbox {
         config.worker.releaser = true;
         config.worker.sweeper = true;
         let topology = Topology::new(&config.names(), &config.tier_file()?);
-        let endpoint = config.broker.endpoint().map_err(|e| ConfigError {
+        let endpoint = crate::amqp::endpoint(&config.broker).map_err(|e| ConfigError {
             key: "broker.tls".into(),
             problem: e.to_string(),
         })?;

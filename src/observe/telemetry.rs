@@ -17,14 +17,7 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
-use crate::config::ConfigError;
-
-/// The log filter variable.
-pub const LOG_VAR: &str = "LAPSE_LOG";
-/// The log format variable: `text` or `json`.
-pub const LOG_FORMAT_VAR: &str = "LAPSE_LOG_FORMAT";
-/// The `LAPSE_` variables that belong to logging, not to the configuration tree.
-pub const ENV_VARS: [&str; 2] = [LOG_VAR, LOG_FORMAT_VAR];
+use crate::config::{ConfigError, LOG_FORMAT_VAR, LOG_VAR};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {

@@ -14,11 +14,11 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::amqp::topology::Names;
 use crate::components::redelivery::{DELIVERY_COUNT_HEADER, returns_so_far};
 use crate::message::{
     PARK_REASON_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
 };
+use crate::names::Names;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -233,15 +233,11 @@ pub fn headers_json(headers: Option<&FieldTable>) -> Value {
 }
 
 fn value_json(v: &AMQPValue) -> Value {
+    if let Some(n) = crate::message::int_value(v) {
+        return n.into();
+    }
     match v {
         AMQPValue::Boolean(b) => Value::Bool(*b),
-        AMQPValue::ShortShortInt(n) => (*n).into(),
-        AMQPValue::ShortShortUInt(n) => (*n).into(),
-        AMQPValue::ShortInt(n) => (*n).into(),
-        AMQPValue::ShortUInt(n) => (*n).into(),
-        AMQPValue::LongInt(n) => (*n).into(),
-        AMQPValue::LongUInt(n) => (*n).into(),
-        AMQPValue::LongLongInt(n) => (*n).into(),
         AMQPValue::Float(n) => (*n).into(),
         AMQPValue::Double(n) => (*n).into(),
         AMQPValue::ShortString(s) => s.to_string().into(),

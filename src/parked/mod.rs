@@ -35,9 +35,9 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ErrorKind};
 use serde::Serialize;
 
-use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher};
+use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher, QueueState};
 use crate::amqp::publishing::Outgoing;
-use crate::amqp::topology::Names;
+use crate::names::Names;
 
 /// Messages read, published and acknowledged together.
 const CHUNK: usize = 100;
@@ -139,7 +139,7 @@ impl Pass {
     ) -> Result<Vec<Item>, ParkedError> {
         let queue = self.names.parked();
         let lock = format!("{queue}.lock");
-        let lock_channel = channel(conn).await?;
+        let lock_channel = broker::open_channel(conn).await?;
         let exclusive = QueueDeclareOptions {
             exclusive: true,
             auto_delete: true,
@@ -155,18 +155,10 @@ impl Pass {
                 BrokerError::amqp("queue.declare")(e).into()
             });
         }
-        let reader = channel(conn).await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let total = match reader
-            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-            .await
-        {
-            Ok(q) => q.message_count(),
-            Err(e) if broker::not_found(&e) => return Err(ParkedError::NoQueue(queue)),
-            Err(e) => return Err(BrokerError::amqp("queue.declare")(e).into()),
+        let reader = broker::open_channel(conn).await?;
+        let total = match broker::passive_declare(&reader, &queue).await? {
+            QueueState::Exists(counts) => counts.messages,
+            QueueState::Missing => return Err(ParkedError::NoQueue(queue)),
         };
         let publisher = self.endpoint.publisher(conn).await?;
         let mut items = Vec::new();
@@ -325,12 +317,6 @@ fn item(delivery: Delivery, entry: Entry, outcome: Outcome) -> Item {
         properties: delivery.properties,
         body: delivery.data,
     }
-}
-
-async fn channel(conn: &Connection) -> Result<lapin::Channel, BrokerError> {
-    conn.create_channel()
-        .await
-        .map_err(BrokerError::amqp("channel.open"))
 }
 
 fn resource_locked(err: &lapin::Error) -> bool {

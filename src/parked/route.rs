@@ -19,8 +19,8 @@ use super::{Entry, Kind};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::publishing::Outgoing;
 use crate::amqp::tier_check::TierCheck;
-use crate::amqp::topology::{Names, STOCK_RELEASE_ROUTING_KEY};
 use crate::message::Route;
+use crate::names::{Names, STOCK_RELEASE_ROUTING_KEY};
 use crate::tier::{Tier, TierSet};
 
 /// Chooses replay destinations.

@@ -32,7 +32,7 @@ impl Readiness {
     pub fn from_config(config: &Config) -> Self {
         let w = &config.worker;
         let broker = (w.consumer || w.relay || w.releaser).then(|| {
-            crate::amqp::broker::split_addresses(&config.broker.url)
+            crate::config::split_addresses(&config.broker.url)
                 .iter()
                 .map(|a| {
                     lapin::uri::AMQPUri::from_str(a.expose())

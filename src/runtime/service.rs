@@ -72,10 +72,8 @@ impl Service {
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.
-        let broker = config
-            .broker
-            .endpoint()?
-            .with_url(config.broker.url_with_heartbeat());
+        let broker =
+            crate::amqp::endpoint(&config.broker)?.with_url(config.broker.url_with_heartbeat());
         let w = &config.worker;
         let health = Health::new(w.stall_limit);
         let mut supervisor = Supervisor::new(health.clone(), token, RestartPolicy::default());

@@ -139,7 +139,7 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
         .query_one("SELECT reserved FROM stock WHERE sku = 'alarm'", &[])
         .await
         .unwrap()
-        .get(0);
+        .get("reserved");
     assert_eq!(reserved, 0, "every reservation released exactly once");
     eventually(
         Duration::from_secs(30),

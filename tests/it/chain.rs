@@ -182,7 +182,7 @@ async fn payments_racing_the_deadline_never_both_win() {
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| (r.get("id"), r.get("expire_at")))
         .collect();
     assert_eq!(deadlines.len(), ids.len());
     // Refused payments (LATE after the close, EXPIRED before it): each is recorded once.

@@ -10,9 +10,11 @@
 
 use std::time::{Duration, Instant};
 
-use lapse::amqp::topology::{Names, TierFile, Topology};
+use lapse::amqp::topology::Topology;
 use lapse::config::{Config, Secret};
+use lapse::names::Names;
 use lapse::orders::Line;
+use lapse::tier_file::TierFile;
 
 use crate::helpers::{
     Running, assert_never_early, count, create_orders, database_url, drop_database, eventually,
@@ -252,7 +254,11 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         )
         .await
         .unwrap();
-    let (available, reserved, sold): (i64, i64, i64) = (stock.get(0), stock.get(1), stock.get(2));
+    let (available, reserved, sold): (i64, i64, i64) = (
+        stock.get("available"),
+        stock.get("reserved"),
+        stock.get("sold"),
+    );
     assert_eq!(
         (available, reserved, sold),
         (1_000_000, 0, 0),
@@ -396,10 +402,10 @@ async fn diagnose(cluster: &PrivateCluster, db: &tokio_postgres::Client, names: 
 }
 
 async fn db_now(db: &tokio_postgres::Client) -> f64 {
-    db.query_one("SELECT extract(epoch FROM now())::float8", &[])
+    db.query_one("SELECT extract(epoch FROM now())::float8 AS now_s", &[])
         .await
         .unwrap()
-        .get(0)
+        .get("now_s")
 }
 
 /// Lateness in ms: the maximum over all orders; count, p50, p99 and maximum of the
@@ -407,23 +413,29 @@ async fn db_now(db: &tokio_postgres::Client) -> f64 {
 async fn lateness(db: &tokio_postgres::Client, fault_at: f64) -> (f64, i64, f64, f64, f64) {
     let all: f64 = db
         .query_one(
-            "SELECT (extract(epoch FROM max(closed_at - expire_at)) * 1000)::float8 FROM orders",
+            "SELECT (extract(epoch FROM max(closed_at - expire_at)) * 1000)::float8 AS max_ms FROM orders",
             &[],
         )
         .await
         .unwrap()
-        .get(0);
+        .get("max_ms");
     let row = db
         .query_one(
             "WITH l AS (SELECT extract(epoch FROM closed_at - expire_at) * 1000 AS ms \
                FROM orders WHERE extract(epoch FROM expire_at)::float8 >= $1) \
-             SELECT count(*), \
-                    coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), 0)::float8, \
-                    coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), 0)::float8, \
-                    coalesce(max(ms), 0)::float8 FROM l",
+             SELECT count(*) AS closed, \
+                    coalesce(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), 0)::float8 AS p50, \
+                    coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), 0)::float8 AS p99, \
+                    coalesce(max(ms), 0)::float8 AS max FROM l",
             &[&fault_at],
         )
         .await
         .unwrap();
-    (all, row.get(0), row.get(1), row.get(2), row.get(3))
+    (
+        all,
+        row.get("closed"),
+        row.get("p50"),
+        row.get("p99"),
+        row.get("max"),
+    )
 }

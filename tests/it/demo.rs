@@ -8,8 +8,9 @@
 use lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapse::amqp::management::Management;
-use lapse::amqp::topology::{Names, TierFile};
 use lapse::config::Secret;
+use lapse::names::Names;
+use lapse::tier_file::TierFile;
 use serde_json::Value;
 
 use crate::helpers::{
@@ -71,13 +72,13 @@ impl Demo {
         let admin = admin().await;
         let databases = admin
             .query(
-                "SELECT datname::text FROM pg_database WHERE starts_with(datname, $1)",
+                "SELECT datname::text AS name FROM pg_database WHERE starts_with(datname, $1)",
                 &[&format!("{}_demo_", self.base_db)],
             )
             .await
             .unwrap()
             .iter()
-            .map(|r| r.get(0))
+            .map(|r| r.get("name"))
             .collect();
         (queues, databases)
     }
@@ -332,12 +333,12 @@ async fn keep_leaves_the_queues_exchanges_and_database_in_place() {
     tokio::spawn(connection);
     let settled: i64 = client
         .query_one(
-            "SELECT count(*) FROM orders WHERE status IN ('PAID', 'CLOSED')",
+            "SELECT count(*) AS settled FROM orders WHERE status IN ('PAID', 'CLOSED')",
             &[],
         )
         .await
         .unwrap()
-        .get(0);
+        .get("settled");
     assert_eq!(settled, 20);
     drop(client);
 

@@ -9,11 +9,13 @@ use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use std::time::{Duration, Instant};
 
 use lapse::amqp::management::Management;
-use lapse::amqp::topology::{Names, TierFile, Topology};
+use lapse::amqp::topology::Topology;
 use lapse::config::{Config, Secret};
+use lapse::names::Names;
 use lapse::observe::stats::Stats;
 use lapse::orders::{self, Deadline, Line, OrderId};
 use lapse::runtime::service::Service;
+use lapse::tier_file::TierFile;
 use tokio_util::sync::CancellationToken;
 
 pub fn amqp_url() -> String {
@@ -399,9 +401,13 @@ where
     }
 }
 
-/// Counts rows of a query returning one bigint.
+/// The one bigint a query returns (one row, one column), e.g. a `count(*)`. The
+/// query runs as a scalar subquery, which names its column.
 pub async fn count(db: &tokio_postgres::Client, sql: &str) -> i64 {
-    db.query_one(sql, &[]).await.unwrap().get(0)
+    db.query_one(&format!("SELECT ({sql}) AS n"), &[])
+        .await
+        .unwrap()
+        .get("n")
 }
 
 /// Creates one order per deadline with `lines` (SKUs get ample stock), 10 per

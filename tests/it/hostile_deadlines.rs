@@ -33,7 +33,7 @@ async fn expire_at(db: &tokio_postgres::Client, id: i64) -> DateTime<Utc> {
     db.query_one("SELECT expire_at FROM orders WHERE id = $1", &[&id])
         .await
         .unwrap()
-        .get(0)
+        .get("expire_at")
 }
 
 #[tokio::test]
@@ -73,13 +73,13 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
     // Rounded up to the millisecond, never down.
     let made = db
         .query_one(
-            "SELECT lapse_create_order(t), t
+            "SELECT lapse_create_order(t) AS id, t AS asked
                FROM (SELECT date_trunc('milliseconds', now()) + interval '1 hour 400 microseconds') a(t)",
             &[],
         )
         .await
         .unwrap();
-    let (made_id, asked): (i64, DateTime<Utc>) = (made.get(0), made.get(1));
+    let (made_id, asked): (i64, DateTime<Utc>) = (made.get("id"), made.get("asked"));
     let rounded_by_us = (expire_at(&db, made_id).await - asked).num_microseconds();
     assert_eq!(
         rounded_by_us,
@@ -88,10 +88,13 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
     );
 
     let id: i64 = db
-        .query_one("SELECT lapse_create_order(now() + interval '1 hour')", &[])
+        .query_one(
+            "SELECT lapse_create_order(now() + interval '1 hour') AS id",
+            &[],
+        )
         .await
         .unwrap()
-        .get(0);
+        .get("id");
     for deadline in invalid {
         assert_eq!(
             sqlstate(
@@ -121,12 +124,12 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
     }
     let version: Option<i32> = db
         .query_one(
-            "SELECT lapse_extend_deadline($1, now() + interval '2 hours')",
+            "SELECT lapse_extend_deadline($1, now() + interval '2 hours') AS version",
             &[&id],
         )
         .await
         .unwrap()
-        .get(0);
+        .get("version");
     assert_eq!(version, Some(2));
 
     // The horizon comes from the settings table, which `lapse migrate` writes.
@@ -317,7 +320,11 @@ async fn a_payment_after_the_deadline_is_refused_by_the_real_clock_and_recorded_
 
     // A transaction that begins before the deadline...
     let tx = db.transaction().await.unwrap();
-    let began: DateTime<Utc> = tx.query_one("SELECT now()", &[]).await.unwrap().get(0);
+    let began: DateTime<Utc> = tx
+        .query_one("SELECT now() AS began", &[])
+        .await
+        .unwrap()
+        .get("began");
     assert!(
         began < deadline,
         "the transaction must begin before the deadline"
@@ -327,12 +334,12 @@ async fn a_payment_after_the_deadline_is_refused_by_the_real_clock_and_recorded_
     eventually(Duration::from_secs(30), "the deadline passed", || async {
         let passed: bool = observer
             .query_one(
-                "SELECT clock_timestamp() > $1::timestamptz + interval '200 ms'",
+                "SELECT clock_timestamp() > $1::timestamptz + interval '200 ms' AS passed",
                 &[&deadline],
             )
             .await
             .unwrap()
-            .get(0);
+            .get("passed");
         passed.then_some(())
     })
     .await;

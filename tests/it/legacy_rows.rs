@@ -43,8 +43,9 @@ fn sweeper(env: &TestEnv, batch_size: i64) -> Sweeper {
     }
 }
 
+/// The `id` column of the one row `sql` returns.
 async fn id_of(db: &tokio_postgres::Client, sql: &str) -> i64 {
-    db.query_one(sql, &[]).await.unwrap().get(0)
+    db.query_one(sql, &[]).await.unwrap().get("id")
 }
 
 #[tokio::test]

@@ -27,19 +27,19 @@ async fn hold_row_lock(holder: &tokio_postgres::Client, id: i64) -> DateTime<Utc
         .await
         .unwrap();
     holder
-        .query_one("SELECT clock_timestamp()", &[])
+        .query_one("SELECT clock_timestamp() AS now", &[])
         .await
         .unwrap()
-        .get(0)
+        .get("now")
 }
 
 /// Ends the holder's transaction; returns the database clock just before it ended.
 async fn release_row_lock(holder: &tokio_postgres::Client) -> DateTime<Utc> {
     let at: DateTime<Utc> = holder
-        .query_one("SELECT clock_timestamp()", &[])
+        .query_one("SELECT clock_timestamp() AS now", &[])
         .await
         .unwrap()
-        .get(0);
+        .get("now");
     holder.batch_execute("ROLLBACK").await.unwrap();
     at
 }
@@ -68,7 +68,7 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
         .query_one("SELECT expire_at FROM orders WHERE id = $1", &[&locked])
         .await
         .unwrap()
-        .get(0);
+        .get("expire_at");
     assert!(
         locked_by < expire_at,
         "the lock ({locked_by}) must be held before the deadline ({expire_at})"
@@ -89,12 +89,12 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
     let ids: Vec<i64> = others.iter().map(|o| o.0).collect();
     let closed_others: i64 = db
         .query_one(
-            "SELECT count(*) FROM orders WHERE id = ANY($1) AND status = 'CLOSED'",
+            "SELECT count(*) AS closed FROM orders WHERE id = ANY($1) AND status = 'CLOSED'",
             &[&ids],
         )
         .await
         .unwrap()
-        .get(0);
+        .get("closed");
     assert_eq!(closed_others, 50, "{closed_within:?} after creating them");
     // The worker met the lock, skipped it and keeps retrying it.
     eventually(Duration::from_secs(30), "the lock noticed", || async {
@@ -105,7 +105,7 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
         .query_one("SELECT status FROM orders WHERE id = $1", &[&locked])
         .await
         .unwrap()
-        .get(0);
+        .get("status");
     assert_eq!(status, "UNPAID", "nothing happens to a row someone holds");
     // The slow payment call goes on a little longer, well past the deadline.
     tokio::time::sleep(Duration::from_secs(7).saturating_sub(created.elapsed())).await;
@@ -121,7 +121,7 @@ async fn a_locked_order_defers_only_itself_while_the_rest_of_the_batch_closes() 
             )
             .await
             .ok()
-            .map(|r| r.get(0))
+            .map(|r| r.get("closed_at"))
         },
     )
     .await;
@@ -170,7 +170,7 @@ async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
         .query_one("SELECT closed_at FROM orders WHERE id = $1", &[&ids[10].0])
         .await
         .unwrap()
-        .get(0);
+        .get("closed_at");
     assert!(closed_at > released_at);
     assert_never_early(&db).await;
     assert_eq!(times_closed(&db).await, 0);
@@ -189,7 +189,7 @@ async fn every_pooled_connection_has_a_statement_timeout() {
             .query_one(&format!("SHOW {setting}"), &[])
             .await
             .unwrap()
-            .get(0);
+            .get(setting);
         assert_eq!(value, "1500ms", "{setting}");
     }
     let started = Instant::now();

@@ -99,7 +99,12 @@ async fn a_replayed_timeout_closes_its_order_and_dry_run_and_reason_select() {
             )
             .await
             .unwrap();
-        park(&env, &timeout(id, row.get(0), row.get(1)).encode(), reason).await;
+        park(
+            &env,
+            &timeout(id, row.get("expire_at"), row.get("deadline_version")).encode(),
+            reason,
+        )
+        .await;
     }
     let wanted = format!("timeout-{}-v1", ids[0]);
 

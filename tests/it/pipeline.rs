@@ -8,8 +8,8 @@ use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use lapse::amqp::broker::Publisher;
-use lapse::amqp::topology::DUE_ROUTING_KEY;
 use lapse::message::{TimeoutMessage, park_reason};
+use lapse::names::DUE_ROUTING_KEY;
 use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Line};
 
@@ -59,13 +59,13 @@ async fn two_thousand_orders_close_never_early_and_exactly_once() {
     assert_never_early(&db).await;
     let row = db
         .query_one(
-            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms), max(ms)
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50, percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99, max(ms) AS max
                FROM (SELECT extract(epoch FROM closed_at - expire_at)::float8 * 1000 AS ms FROM orders) l",
             &[],
         )
         .await
         .unwrap();
-    let (p50, p99, max): (f64, f64, f64) = (row.get(0), row.get(1), row.get::<_, f64>(2));
+    let (p50, p99, max): (f64, f64, f64) = (row.get("p50"), row.get("p99"), row.get("max"));
     println!("lateness over 2000 closes: p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms");
     // Invariants only: how late and how many hops are the benchmark's to measure
     // (scripts/bench.sh), not a test's on a loaded machine.

@@ -175,8 +175,8 @@ async fn a_full_tier_refuses_alone_while_other_intents_and_releases_flow() {
 /// How many of `ids` satisfy `condition` (a predicate on `orders o`).
 async fn orders_where(db: &tokio_postgres::Client, ids: &[OrderId], condition: &str) -> i64 {
     let ids: Vec<i64> = ids.iter().map(|i| i.0).collect();
-    let sql = format!("SELECT count(*) FROM orders o WHERE o.id = ANY($1) AND {condition}");
-    db.query_one(&sql, &[&ids]).await.unwrap().get(0)
+    let sql = format!("SELECT count(*) AS n FROM orders o WHERE o.id = ANY($1) AND {condition}");
+    db.query_one(&sql, &[&ids]).await.unwrap().get("n")
 }
 
 #[tokio::test]

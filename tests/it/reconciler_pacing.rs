@@ -123,8 +123,8 @@ async fn a_releaser_backlog_is_re_emitted_with_a_growing_gap_per_order() {
     // previous one (a little less for the events' own timestamps).
     let gaps = db
         .query(
-            "SELECT (detail->>'repair')::int,
-                    extract(epoch FROM at - lag(at) OVER (PARTITION BY order_id ORDER BY at))::float8
+            "SELECT (detail->>'repair')::int AS repair,
+                    extract(epoch FROM at - lag(at) OVER (PARTITION BY order_id ORDER BY at))::float8 AS gap_s
                FROM order_events WHERE event = 'release_repaired'",
             &[],
         )
@@ -132,7 +132,7 @@ async fn a_releaser_backlog_is_re_emitted_with_a_growing_gap_per_order() {
         .unwrap();
     let mut seen = 0;
     for row in gaps {
-        let (repair, gap): (i32, Option<f64>) = (row.get(0), row.get(1));
+        let (repair, gap): (i32, Option<f64>) = (row.get("repair"), row.get("gap_s"));
         if let Some(gap) = gap {
             let least = grace.as_secs_f64() * 2f64.powi(repair - 1) * 0.95;
             assert!(

@@ -265,10 +265,10 @@ async fn an_application_holding_a_closed_orders_row_does_not_block_checkout_of_i
     let app = env.db().await;
     app.batch_execute("BEGIN").await.unwrap();
     let late: String = app
-        .query_one("SELECT lapse_pay_order($1)", &[&ids[0].0])
+        .query_one("SELECT lapse_pay_order($1) AS outcome", &[&ids[0].0])
         .await
         .unwrap()
-        .get(0);
+        .get("outcome");
     assert_eq!(late, "LATE");
 
     let mut releaser_only = config.clone();

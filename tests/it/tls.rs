@@ -72,7 +72,7 @@ async fn with_the_ca_file_the_pipeline_runs_over_verified_tls() {
     config.broker.tls.ca_file = Some(node.certs.ca_file.clone());
     config.validate().unwrap();
 
-    let endpoint = config.broker.endpoint().unwrap();
+    let endpoint = lapse::amqp::endpoint(&config.broker).unwrap();
     let conn = endpoint.connect("lapse test").await.unwrap();
     assert!(
         lapse::amqp::topology::apply(&conn, &env.topology())

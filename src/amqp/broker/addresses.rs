@@ -9,28 +9,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::config::Secret;
-
-/// The addresses of a `broker.url` value, in order, without surrounding spaces.
-/// Empty entries are kept (as empty strings) so that validation can name them.
-pub fn split(list: &Secret) -> Vec<Secret> {
-    list.expose()
-        .split(',')
-        .map(|s| Secret::new(s.trim()))
-        .collect()
-}
-
-/// Joins addresses back into one `broker.url` value.
-pub fn join(addresses: &[Secret]) -> Secret {
-    Secret::new(
-        addresses
-            .iter()
-            .map(Secret::expose)
-            .collect::<Vec<_>>()
-            .join(","),
-    )
-}
-
 /// Which address to try first, shared by every clone of an endpoint.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Cursor(Arc<AtomicUsize>);
@@ -50,14 +28,6 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn splits_trims_and_keeps_empty_entries() {
-        let list = Secret::new("amqp://a:1/%2f, amqp://b:2/%2f,,");
-        let parts: Vec<String> = split(&list).iter().map(|s| s.expose().into()).collect();
-        assert_eq!(parts, ["amqp://a:1/%2f", "amqp://b:2/%2f", "", ""]);
-        assert_eq!(split(&Secret::new("amqp://a")).len(), 1);
-    }
 
     #[test]
     fn the_order_starts_at_the_address_that_worked_last() {

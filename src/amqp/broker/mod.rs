@@ -18,12 +18,13 @@ use lapin::{Connection, ConnectionProperties, DefaultConnectionBuilder, ErrorKin
 
 mod addresses;
 mod publisher;
-
-pub use addresses::{join as join_addresses, split as split_addresses};
+mod queue;
 
 pub use publisher::{Outgoing, Publisher};
+pub use queue::{QueueCounts, QueueState, open_channel, passive_declare, queue_state};
 
 use crate::amqp::tls::{self, TlsFiles};
+use crate::config::split_addresses;
 use crate::redact::Secret;
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,8 @@ pub enum BrokerError {
         "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
     )]
     MissingTier { queue: String },
+    #[error("the queue `{queue}` does not exist (`lapse topology apply` creates it)")]
+    QueueNotFound { queue: String },
 }
 
 impl BrokerError {
@@ -139,7 +142,7 @@ impl Endpoint {
     /// address that answers, starting at the one that worked last; the error of the
     /// last address tried when none does.
     pub async fn connect(&self, name: &str) -> Result<Connection, BrokerError> {
-        let all = addresses::split(&self.url);
+        let all = split_addresses(&self.url);
         let mut last = None;
         for index in self.cursor.order(all.len()) {
             // Bounded: a node that is booting or shutting down can accept the TCP
@@ -230,7 +233,7 @@ pub fn not_found(err: &lapin::Error) -> bool {
 /// address when `url` names several (validation makes them agree).
 pub fn vhost(url: &Secret) -> String {
     use std::str::FromStr;
-    let first = addresses::split(url).swap_remove(0);
+    let first = split_addresses(url).swap_remove(0);
     lapin::uri::AMQPUri::from_str(first.expose())
         .map(|u| u.vhost)
         .unwrap_or_else(|_| "/".to_string())
@@ -240,7 +243,7 @@ pub fn vhost(url: &Secret) -> String {
 /// when `url` names several addresses).
 pub fn shown_address(url: &Secret) -> String {
     use std::str::FromStr;
-    addresses::split(url)
+    split_addresses(url)
         .iter()
         .map(|a| match lapin::uri::AMQPUri::from_str(a.expose()) {
             Ok(u) => format!("{}:{}", u.authority.host, u.authority.port),

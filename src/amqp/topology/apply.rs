@@ -12,9 +12,10 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind as LapinKind};
 use serde::Serialize;
 
-use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, Names, QueueSpec, Topology};
+use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, QueueSpec, Topology};
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
+use crate::names::Names;
 
 /// An object that exists with other properties than the topology wants.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -100,10 +101,7 @@ pub(crate) async fn declare_exchange(
     e: &ExchangeSpec,
     passive: bool,
 ) -> Result<Declared, BrokerError> {
-    let channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::amqp("channel.open"))?;
+    let channel = broker::open_channel(conn).await?;
     let options = ExchangeDeclareOptions {
         durable: true,
         passive,
@@ -126,10 +124,7 @@ pub(crate) async fn declare_queue(
     q: &QueueSpec,
     passive: bool,
 ) -> Result<Declared, BrokerError> {
-    let channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::amqp("channel.open"))?;
+    let channel = broker::open_channel(conn).await?;
     let options = QueueDeclareOptions {
         durable: true,
         passive,
@@ -199,16 +194,10 @@ pub async fn apply(conn: &Connection, topology: &Topology) -> Result<ApplyReport
     for q in &topology.queues {
         record(&q.name, declare_queue(conn, q, false).await?);
     }
-    let mut channel = conn
-        .create_channel()
-        .await
-        .map_err(BrokerError::amqp("channel.open"))?;
+    let mut channel = broker::open_channel(conn).await?;
     for b in &topology.bindings {
         if !channel.status().connected() {
-            channel = conn
-                .create_channel()
-                .await
-                .map_err(BrokerError::amqp("channel.open"))?;
+            channel = broker::open_channel(conn).await?;
         }
         let bound = channel
             .queue_bind(
@@ -264,7 +253,7 @@ pub async fn prune(
         if topology.queue(&q.name).is_some() {
             continue;
         }
-        let channel = conn.create_channel().await?;
+        let channel = broker::open_channel(conn).await?;
         let name = q.name.as_str();
         channel
             .queue_unbind(
@@ -274,14 +263,10 @@ pub async fn prune(
                 FieldTable::default(),
             )
             .await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let depth = channel
-            .queue_declare(name.into(), passive, FieldTable::default())
+        let depth = broker::passive_declare(&channel, name)
             .await?
-            .message_count();
+            .existing(name)?
+            .messages;
         if depth == 0 {
             channel
                 .queue_delete(name.into(), QueueDeleteOptions::default())

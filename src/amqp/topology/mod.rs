@@ -9,11 +9,9 @@
 //! at-most-once without `x-overflow=reject-publish`).
 
 mod apply;
-mod tiers_file;
 mod verify;
 
 pub use apply::{ApplyReport, Drift, PruneReport, apply, prune};
-pub use tiers_file::{TierFile, TierFileError};
 pub use verify::{Check, CheckStatus, VerifyReport, verify};
 
 use std::collections::BTreeMap;
@@ -21,12 +19,8 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::tier::Tier;
-
-/// Routing key under which wait queues dead-letter into the due exchange.
-pub const DUE_ROUTING_KEY: &str = "due";
-/// Routing key of stock-release events on the events exchange.
-pub const STOCK_RELEASE_ROUTING_KEY: &str = "stock.release";
+use crate::names::{DUE_ROUTING_KEY, Names, STOCK_RELEASE_ROUTING_KEY};
+use crate::tier_file::TierFile;
 
 /// A queue or exchange argument value as RabbitMQ stores it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -109,45 +103,6 @@ pub struct BindingSpec {
     pub routing_key: String,
 }
 
-/// Broker object names of one deployment, all derived from the prefix.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Names {
-    pub prefix: String,
-}
-
-impl Names {
-    // Over 60 lines on purpose: the broker objects as data, in the order `apply` declares them; read top to bottom it is the topology.
-    pub fn new(prefix: impl Into<String>) -> Self {
-        Self {
-            prefix: prefix.into(),
-        }
-    }
-    pub fn delay_exchange(&self) -> String {
-        format!("{}.delay", self.prefix)
-    }
-    pub fn due_exchange(&self) -> String {
-        format!("{}.due", self.prefix)
-    }
-    pub fn due_queue(&self) -> String {
-        format!("{}.due", self.prefix)
-    }
-    pub fn parked(&self) -> String {
-        format!("{}.parked", self.prefix)
-    }
-    pub fn events_exchange(&self) -> String {
-        format!("{}.events", self.prefix)
-    }
-    pub fn stock_release_queue(&self) -> String {
-        format!("{}.stock.release", self.prefix)
-    }
-    pub fn wait_queue_prefix(&self) -> String {
-        format!("{}.wait.", self.prefix)
-    }
-    pub fn wait_queue(&self, tier: Tier) -> String {
-        format!("{}{}", self.wait_queue_prefix(), tier.name())
-    }
-}
-
 /// Everything one deployment declares.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Topology {
@@ -180,6 +135,7 @@ fn str_arg(s: impl Into<String>) -> ArgValue {
 
 impl Topology {
     /// Derives the whole graph from a prefix and a validated tier file.
+    // Over 60 lines on purpose: the broker objects as data, in the order `apply` declares them; read top to bottom it is the topology.
     pub fn new(names: &Names, file: &TierFile) -> Self {
         let parked = names.parked();
         let exchange = |name: String, kind, arguments| ExchangeSpec {

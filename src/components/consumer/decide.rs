@@ -9,11 +9,11 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 
-use crate::amqp::topology::Names;
 use crate::close::{self, Candidate, CloseReason, Closed};
 use crate::db::{self, DbError};
 use crate::deadline;
 use crate::message::{DecodeError, Route, TimeoutMessage};
+use crate::names::Names;
 use crate::observe::stats::Outcome;
 use crate::tier::{Tier, TierSet};
 

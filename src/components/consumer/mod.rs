@@ -36,9 +36,9 @@ use crate::amqp::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, 
 use crate::amqp::broker::{BrokerError, Endpoint};
 use crate::amqp::publishing::{Outgoing, PublishingConnection, parked_copy};
 use crate::amqp::tier_check::TierCheck;
-use crate::amqp::topology::Names;
 use crate::config::Config;
 use crate::message::TimeoutMessage;
+use crate::names::Names;
 use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::health::{Busy, Health};

@@ -10,8 +10,8 @@ use lapin::message::Delivery;
 
 use super::Action;
 use crate::amqp::publishing::{Outgoing, parked_copy};
-use crate::amqp::topology::Names;
 use crate::message::{DecodeError, TimeoutMessage};
+use crate::names::Names;
 use crate::observe::stats::Outcome;
 use crate::tier::Tier;
 use crate::timeline::Hop;

@@ -13,9 +13,9 @@ use crate::amqp::broker::Outgoing;
 use crate::timeline::Hop;
 
 use super::Relay;
-use crate::amqp::topology::STOCK_RELEASE_ROUTING_KEY;
 use crate::db::{DbError, column};
 use crate::message::{Route, TimeoutMessage, parked_properties};
+use crate::names::STOCK_RELEASE_ROUTING_KEY;
 use crate::tier::Tier;
 
 /// An outbox row as the relay read it.

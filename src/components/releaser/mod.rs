@@ -41,7 +41,7 @@ use crate::runtime::backoff::Backoff;
 use crate::runtime::health::{Busy, Health};
 use crate::runtime::supervisor::Fatal;
 
-use crate::amqp::topology::Names;
+use crate::names::Names;
 
 pub use apply::ReleaseOutcome;
 

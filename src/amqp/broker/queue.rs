@@ -1,0 +1,83 @@
+//! What the broker says about one queue: a passive `queue.declare`, which answers
+//! with the queue's ready messages and consumers, or 404 when it does not exist.
+//!
+//! A 404 closes the channel it ran on (never the connection). [`queue_state`] therefore
+//! asks on a throwaway channel of its own; [`passive_declare`] asks on the caller's
+//! channel, for a caller that goes on using that channel when the queue exists (a
+//! consumer's own channel, a reader that takes messages next).
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+
+use super::{BrokerError, not_found};
+
+/// The counts of a queue that exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Ready messages (not those delivered and unacknowledged).
+    pub messages: u32,
+    pub consumers: u32,
+}
+
+/// The broker's answer to a passive declare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueState {
+    Exists(QueueCounts),
+    /// 404: no such queue. The channel the declare ran on is closed.
+    Missing,
+}
+
+impl QueueState {
+    pub fn counts(self) -> Option<QueueCounts> {
+        match self {
+            Self::Exists(counts) => Some(counts),
+            Self::Missing => None,
+        }
+    }
+
+    /// The counts, or [`BrokerError::QueueNotFound`] naming `queue`.
+    pub fn existing(self, queue: &str) -> Result<QueueCounts, BrokerError> {
+        self.counts().ok_or_else(|| BrokerError::QueueNotFound {
+            queue: queue.to_string(),
+        })
+    }
+}
+
+/// Opens a channel on `conn`.
+pub async fn open_channel(conn: &Connection) -> Result<Channel, BrokerError> {
+    conn.create_channel()
+        .await
+        .map_err(BrokerError::amqp("channel.open"))
+}
+
+/// A passive declare of `queue` on `channel`. After [`QueueState::Missing`] the
+/// broker has closed `channel`; any other failure is an error.
+pub async fn passive_declare(channel: &Channel, queue: &str) -> Result<QueueState, BrokerError> {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(queue.into(), options, FieldTable::default())
+        .await
+    {
+        Ok(q) => Ok(QueueState::Exists(QueueCounts {
+            messages: q.message_count(),
+            consumers: q.consumer_count(),
+        })),
+        Err(e) if not_found(&e) => Ok(QueueState::Missing),
+        Err(e) => Err(BrokerError::amqp("queue.declare")(e)),
+    }
+}
+
+/// A passive declare of `queue` on a channel of its own, closed afterwards: a
+/// missing queue costs that channel only.
+pub async fn queue_state(conn: &Connection, queue: &str) -> Result<QueueState, BrokerError> {
+    let channel = open_channel(conn).await?;
+    let state = passive_declare(&channel, queue).await?;
+    if channel.status().connected() {
+        let _ = channel.close(200, "asked".into()).await;
+    }
+    Ok(state)
+}
