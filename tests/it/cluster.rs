@@ -109,6 +109,14 @@ fn topology_is_replicated_on_every_node(cluster: &PrivateCluster) {
             "{line}"
         );
     }
+    // Leaders spread over the nodes (`x-queue-leader-locator: balanced`), not all on
+    // the node `apply` connected to.
+    let leaders: std::collections::BTreeSet<&str> = replicas
+        .iter()
+        .filter_map(|l| l.split("leader ").nth(1))
+        .map(|l| l.split_whitespace().next().unwrap_or(l))
+        .collect();
+    assert!(leaders.len() >= 2, "leaders {leaders:?}\n{text}");
     cluster.stop_node(3);
     // The API shows a stopped member offline after a few seconds.
     let started = Instant::now();

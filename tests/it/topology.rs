@@ -75,6 +75,7 @@ async fn apply_twice_gives_an_identical_broker_with_the_spec_arguments() {
         "x-overflow": "reject-publish",
         // One node (the test broker): every node, at most 3.
         "x-quorum-initial-group-size": 1,
+        "x-queue-leader-locator": "balanced",
     });
     assert_eq!(Value::Object(q.arguments), expected);
 
@@ -455,5 +456,71 @@ async fn an_unknown_tier_and_a_poison_message_are_parked_not_dropped() {
     let reason =
         lapse::message::header_text(parked.properties.headers().as_ref(), "x-first-death-reason");
     assert_eq!(reason.as_deref(), Some("delivery_limit"));
+    env.cleanup().await;
+}
+
+/// Queues an older lapse created carry no leader locator: `apply` and `verify` accept
+/// them as they are (the locator only counts at creation), and still find a real
+/// drift on another argument of such a queue.
+#[tokio::test]
+async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked() {
+    let env = TestEnv::new(&["1s", "5s"]).await;
+    let channel = env.conn.create_channel().await.unwrap();
+    let wrong_ttl = format!("{}.wait.5s", env.prefix);
+    for q in &env.topology().queues {
+        let mut args = q.arguments.clone();
+        assert!(
+            args.remove("x-queue-leader-locator").is_some(),
+            "{}",
+            q.name
+        );
+        if q.name == wrong_ttl {
+            args.insert("x-message-ttl".into(), ArgValue::Int(7_000));
+        }
+        channel
+            .queue_declare(
+                q.name.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                field_table(&args),
+            )
+            .await
+            .unwrap();
+    }
+    let apply = env.lapse(&["topology", "apply"]);
+    let out = stdout(&apply);
+    assert_eq!(apply.status.code(), Some(1), "{out}");
+    let drifts: Vec<&str> = out.lines().filter(|l| l.starts_with("DRIFT")).collect();
+    assert_eq!(drifts.len(), 1, "{out}");
+    assert!(
+        drifts[0].contains(&wrong_ttl) && drifts[0].contains("x-message-ttl"),
+        "{out}"
+    );
+
+    channel
+        .queue_delete(wrong_ttl.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let apply = env.lapse(&["topology", "apply"]);
+    assert!(apply.status.success(), "{}", stdout(&apply));
+    let verify = env.lapse(&["topology", "verify"]);
+    assert!(verify.status.success(), "{}", stdout(&verify));
+    // The re-created queue has the locator; the others kept what they had.
+    let recreated = env
+        .management
+        .queue("/", &wrong_ttl)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(recreated.arguments["x-queue-leader-locator"], "balanced");
+    let old = env
+        .management
+        .queue("/", &format!("{}.wait.1s", env.prefix))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!old.arguments.contains_key("x-queue-leader-locator"));
     env.cleanup().await;
 }

@@ -12,7 +12,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind as LapinKind};
 use serde::Serialize;
 
-use super::{ArgValue, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, QueueSpec, Topology};
+use super::{ArgValue, CREATE_ONLY_ARGS, ExchangeKind, ExchangeSpec, QueueSpec, Topology};
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
 use crate::names::Names;
@@ -52,6 +52,9 @@ impl ApplyReport {
 /// Parses RabbitMQ's 406 text: "inequivalent arg 'x-message-ttl' for queue 'q' in
 /// vhost '/': received the value '2000' of type 'long' but current is the value
 /// '1000' of type 'long'" into a [`Drift`] (expected = received, actual = current).
+/// How a drift shows an argument the existing object does not have.
+const ABSENT: &str = "(absent)";
+
 pub fn parse_inequivalent(object: &str, text: &str) -> Drift {
     let argument = between(text, "inequivalent arg '", "'").unwrap_or("(unknown)");
     let received = between(text, "received ", " but current is ").unwrap_or("(unknown)");
@@ -76,7 +79,7 @@ fn shown_value(text: &str) -> String {
         return v.to_string();
     }
     if text == "none" {
-        return "(absent)".to_string();
+        return ABSENT.to_string();
     }
     text.trim_matches('\'').to_string()
 }
@@ -139,18 +142,23 @@ pub(crate) async fn declare_queue(
         .queue_declare(q.name.as_str().into(), options, args)
         .await;
     match finish(channel, &q.name, result.map(|_| ())).await? {
-        // The group size only matters when the queue is created: declare again with
-        // what the existing queue has, so that the other arguments are still compared.
+        // The group size and the leader locator only matter when the queue is
+        // created: declare again with what the existing queue has, so that the other
+        // arguments are still compared.
         Declared::Drift(d)
-            if d.argument == GROUP_SIZE_ARG && q.arguments.contains_key(GROUP_SIZE_ARG) =>
+            if CREATE_ONLY_ARGS.contains(&d.argument.as_str())
+                && q.arguments.contains_key(&d.argument) =>
         {
             let mut kept = q.clone();
-            match d.actual.parse::<i64>() {
-                Ok(n) => kept
-                    .arguments
-                    .insert(GROUP_SIZE_ARG.into(), ArgValue::Int(n)),
-                Err(_) => kept.arguments.remove(GROUP_SIZE_ARG),
-            };
+            if d.actual == ABSENT {
+                kept.arguments.remove(&d.argument);
+            } else {
+                let value = match d.actual.parse::<i64>() {
+                    Ok(n) => ArgValue::Int(n),
+                    Err(_) => ArgValue::Str(d.actual.clone()),
+                };
+                kept.arguments.insert(d.argument.clone(), value);
+            }
             Box::pin(declare_queue(conn, &kept, passive)).await
         }
         other => Ok(other),

@@ -121,6 +121,19 @@ pub struct Topology {
 /// the live members with the target instead of the argument.
 pub const GROUP_SIZE_ARG: &str = "x-quorum-initial-group-size";
 
+/// The queue argument that places a new quorum queue's leader; `balanced` puts it on
+/// the node with the fewest leaders, so that on a cluster the tiers, the due queue and
+/// the stock-release queue (each one leader process, each its own dead-letter or
+/// consumer load) spread over the nodes instead of all landing on the node `apply`
+/// happened to connect to. Like the group size it only counts at creation, so `apply`
+/// keeps what an existing queue has (queues created before lapse set it keep their
+/// leaders; `rabbitmq-queues rebalance quorum` moves those) and `verify` ignores it.
+pub const LEADER_LOCATOR_ARG: &str = "x-queue-leader-locator";
+pub const LEADER_LOCATOR: &str = "balanced";
+
+/// Arguments that only count when the broker creates the queue (see above).
+pub const CREATE_ONLY_ARGS: [&str; 2] = [GROUP_SIZE_ARG, LEADER_LOCATOR_ARG];
+
 /// The default group size: every node of the cluster, at most this many.
 pub const DEFAULT_MAX_GROUP_SIZE: u32 = 3;
 
@@ -225,6 +238,10 @@ impl Topology {
             &names.stock_release_queue(),
             STOCK_RELEASE_ROUTING_KEY,
         ));
+        for q in &mut queues {
+            q.arguments
+                .insert(LEADER_LOCATOR_ARG.into(), str_arg(LEADER_LOCATOR));
+        }
         Self {
             prefix: names.prefix.clone(),
             exchanges,
@@ -298,7 +315,13 @@ mod tests {
             str_arg("at-least-once")
         );
         assert_eq!(q.arguments["x-overflow"], str_arg("reject-publish"));
-        assert_eq!(q.arguments.len(), 6);
+        assert_eq!(q.arguments.len(), 7);
+        // Every queue's leader is placed where the fewest leaders are.
+        assert!(
+            topo.queues
+                .iter()
+                .all(|q| q.arguments[LEADER_LOCATOR_ARG] == str_arg("balanced"))
+        );
         assert!(topo.bindings.iter().any(|b| b.exchange == "shop.delay"
             && b.routing_key == "1s"
             && b.queue == "shop.wait.1s"));

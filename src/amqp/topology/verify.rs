@@ -13,7 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::apply::{Declared, declare_exchange, declare_queue};
-use super::{ArgValue, GROUP_SIZE_ARG, QueueSpec, Topology};
+use super::{ArgValue, CREATE_ONLY_ARGS, QueueSpec, Topology};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::management::{Management, QueueInfo};
 
@@ -241,8 +241,10 @@ async fn check_feature_flags(report: &mut VerifyReport, m: &Management) -> bool 
 // Over 60 lines on purpose: two checks of one queue (exact arguments, overriding policies), each reported as it is made.
 fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     let mut problems = Vec::new();
-    // The group size is checked as live members (see `replicas`), not as an argument.
-    for (key, want) in q.arguments.iter().filter(|(k, _)| *k != GROUP_SIZE_ARG) {
+    // The group size is checked as live members (see `replicas`), not as an argument;
+    // the leader locator only placed the leader at creation.
+    let create_only = |k: &String| CREATE_ONLY_ARGS.contains(&k.as_str());
+    for (key, want) in q.arguments.iter().filter(|(k, _)| !create_only(k)) {
         let have = info.arguments.get(key);
         if !same_value(want, have) {
             problems.push(format!("{key}: wants {want}, has {}", shown(have)));
@@ -251,7 +253,7 @@ fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     for key in info
         .arguments
         .keys()
-        .filter(|k| !q.arguments.contains_key(*k) && *k != GROUP_SIZE_ARG)
+        .filter(|k| !q.arguments.contains_key(*k) && !create_only(k))
     {
         problems.push(format!(
             "{key}: unexpected, has {}",
