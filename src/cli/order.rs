@@ -1,4 +1,4 @@
-//! `lapse order create | pay | extend | show` and `lapse migrate`.
+//! `lapse order create | pay | extend | show`.
 
 use std::time::Duration;
 
@@ -105,14 +105,6 @@ pub enum OrderCommand {
         #[arg(long)]
         json: bool,
     },
-}
-
-/// `lapse migrate`'s options.
-#[derive(Debug, clap::Args)]
-pub struct MigrateArgs {
-    /// Print {"applied": N} as JSON on stdout.
-    #[arg(long)]
-    json: bool,
 }
 
 /// Orders created per transaction by `create --count`.
@@ -331,15 +323,4 @@ fn print_order(v: &orders::OrderView) {
             detail
         );
     }
-}
-
-pub async fn migrate(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatus> {
-    let applied =
-        db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config)).await?;
-    if args.json {
-        print_json(&serde_json::json!({ "applied": applied }))?;
-    } else {
-        println!("{applied} migration(s) applied; the schema is up to date");
-    }
-    Ok(ExitStatus::Ok)
 }
