@@ -293,6 +293,33 @@ async fn each_shard_is_swept_by_its_own_sweeper() {
     }
     assert_eq!(worker.stats.get(Outcome::SweptClosed), 40);
     worker.stop().await;
+    // `lapse status` shows each shard, and the totals.
+    let shards: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    env.write_config(&format!("[database]\nshards = [{}]\n", shards.join(", ")));
+    let out = env.lapse(&["status", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        crate::helpers::stderr(&out)
+    );
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["recent_sweeper_closes"], 40, "{status}");
+    assert_eq!(
+        status["shards"].as_array().map(Vec::len),
+        Some(2),
+        "{status}"
+    );
+    for shard in 0..2 {
+        assert_eq!(status["shards"][shard]["shard"], shard, "{status}");
+        assert_eq!(
+            status["shards"][shard]["recent_sweeper_closes"], 20,
+            "{status}"
+        );
+        assert_eq!(status["shards"][shard]["overdue_unpaid"], 0, "{status}");
+    }
+    let text = crate::helpers::stdout(&env.lapse(&["status"]));
+    assert!(text.contains("SHARDS\n"), "{text}");
     drop(dbs);
     for name in &names {
         drop_database(name).await;
@@ -332,6 +359,15 @@ async fn migrate_reports_each_shard_and_fails_naming_the_one_it_cannot_reach() {
     );
     assert_eq!(json["shards"][1]["shard"], 1);
     assert!(json["shards"][1]["error"].is_string(), "{json}");
+    // `lapse status` names the shard it cannot reach (exit 3).
+    let out = env.lapse(&["status"]);
+    let stderr = crate::helpers::stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("database of shard 1 (`x` at 127.0.0.1:"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("s3cret"), "{stderr}");
     drop_database(&name).await;
     env.cleanup().await;
 }
