@@ -111,7 +111,9 @@ pub enum OrderCommand {
 const CREATE_CHUNK: u32 = 500;
 
 pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitStatus> {
-    let pool = db::pool(&config.database, 1)?;
+    // With shards, `lapse order` works on shard 0 (database.shards[0]).
+    let shard0 = config.database.shard_list().remove(0);
+    let pool = db::pool(&config.database.for_shard(&shard0), 1)?;
     let mut client = pool.get().await?;
     match command {
         OrderCommand::Create {

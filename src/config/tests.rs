@@ -301,6 +301,12 @@ fn shards_from_the_environment_are_a_bracketed_list() {
             .map(|s| s.url.expose().to_string())
             .collect();
         assert_eq!(urls, ["postgres://u:pw@h/a", "postgres://u:pw@h/b"]);
+        // One variable per entry is not a list: an error naming the key.
+        jail.clear_env();
+        jail.set_env("LAPSE_DATABASE__SHARDS__0", "postgres://u:pw@h/a");
+        let error = load().unwrap_err();
+        assert!(error.key.starts_with("database.shards"), "{error}");
+        assert!(!error.to_string().contains("pw"), "{error}");
         Ok(())
     });
 }
