@@ -18,6 +18,38 @@ const PER_SHARD: usize = 120;
 const PAID_EVERY: usize = 5;
 const INITIAL_STOCK: i64 = 1_000_000;
 
+/// Databases a test creates on the shared server, dropped when it ends — also when it
+/// fails part-way (then on a thread with its own runtime, as `TestEnv` does).
+struct Databases(Vec<String>);
+
+impl Databases {
+    fn new(kinds: &[&str]) -> Self {
+        Self(kinds.iter().map(|k| unique(k)).collect())
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .map(|n| crate::helpers::database_url(n))
+            .collect()
+    }
+}
+
+impl Drop for Databases {
+    fn drop(&mut self) {
+        let names = std::mem::take(&mut self.0);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                for name in &names {
+                    drop_database(name).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
 async fn connect(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -117,12 +149,13 @@ async fn three_shards_close_every_order_while_one_database_is_down() {
     lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
-    let shared = [unique("s0"), unique("s1")];
+    let shared = Databases::new(&["s0", "s1"]);
     let pg = PrivatePostgres::start(crate::helpers::free_port());
+    let shared_urls = shared.urls();
     let urls = [
         pg.url("lapse"),
-        crate::helpers::database_url(&shared[0]),
-        crate::helpers::database_url(&shared[1]),
+        shared_urls[0].clone(),
+        shared_urls[1].clone(),
     ];
     let mut config = env.config();
     config.database.shards = Some(urls.iter().map(Secret::new).collect());
@@ -226,9 +259,7 @@ async fn three_shards_close_every_order_while_one_database_is_down() {
     assert_eq!(worker.stats.get(Outcome::Parked), 0);
     assert!(worker.stop().await.is_empty(), "drained");
     drop(dbs);
-    for name in &shared {
-        drop_database(name).await;
-    }
+    drop(shared);
     drop(pg);
     env.cleanup().await;
 }
@@ -241,11 +272,8 @@ async fn each_shard_is_swept_by_its_own_sweeper() {
     lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
         .unwrap();
-    let names = [unique("w0"), unique("w1")];
-    let urls: Vec<String> = names
-        .iter()
-        .map(|n| crate::helpers::database_url(n))
-        .collect();
+    let names = Databases::new(&["w0", "w1"]);
+    let urls = names.urls();
     let mut config = env.config();
     config.database.shards = Some(urls.iter().map(Secret::new).collect());
     config.worker.consumer = false;
@@ -321,9 +349,7 @@ async fn each_shard_is_swept_by_its_own_sweeper() {
     let text = crate::helpers::stdout(&env.lapse(&["status"]));
     assert!(text.contains("SHARDS\n"), "{text}");
     drop(dbs);
-    for name in &names {
-        drop_database(name).await;
-    }
+    drop(names);
     env.cleanup().await;
 }
 
@@ -331,14 +357,14 @@ async fn each_shard_is_swept_by_its_own_sweeper() {
 #[tokio::test]
 async fn migrate_reports_each_shard_and_fails_naming_the_one_it_cannot_reach() {
     let env = TestEnv::new(&["1s"]).await;
-    let name = unique("m0");
+    let shard0 = Databases::new(&["m0"]);
     let unreachable = format!(
         "postgres://postgres:s3cret@127.0.0.1:{}/x",
         crate::helpers::free_port()
     );
     env.write_config(&format!(
         "[database]\nshards = [{:?}, {unreachable:?}]\n",
-        crate::helpers::database_url(&name)
+        shard0.urls()[0]
     ));
     let out = env.lapse(&["migrate"]);
     let (stdout, stderr) = (crate::helpers::stdout(&out), crate::helpers::stderr(&out));
@@ -368,6 +394,6 @@ async fn migrate_reports_each_shard_and_fails_naming_the_one_it_cannot_reach() {
         "{stderr}"
     );
     assert!(!stderr.contains("s3cret"), "{stderr}");
-    drop_database(&name).await;
+    drop(shard0);
     env.cleanup().await;
 }
