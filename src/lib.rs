@@ -20,7 +20,8 @@
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
 //! - [`close`]: the one guarded close path, shared by the consumer and the sweeper.
 //! - [`timeline`]: the one writer of hop events on an order's timeline.
-//! - [`db`]: the order store: PostgreSQL pools, database creation, migrations (`migrations/`).
+//! - [`db`]: the order store: PostgreSQL pools (one per shard with `database.shards`), database
+//!   creation, migrations (`migrations/`) of every shard.
 //! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
 //!   and panic message (a leaf: every layer may hold a secret).
 //!

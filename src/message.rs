@@ -33,6 +33,15 @@ pub struct TimeoutMessage {
     /// Wait-queue publishes so far.
     #[serde(default)]
     pub hops: u32,
+    /// The order database (shard) the order lives in: `database.shards[shard]`. 0, the
+    /// only database without shards, is left out of the body, so a single database's
+    /// messages are what they always were.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shard: u16,
+}
+
+fn is_zero(shard: &u16) -> bool {
+    *shard == 0
 }
 
 /// Why a body is not a timeout message.
@@ -58,7 +67,14 @@ impl TimeoutMessage {
             deadline_version,
             attempt: 0,
             hops: 0,
+            shard: 0,
         }
+    }
+
+    /// The same timeout, for an order of `shard`.
+    pub fn in_shard(mut self, shard: u16) -> Self {
+        self.shard = shard;
+        self
     }
 
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
@@ -74,9 +90,13 @@ impl TimeoutMessage {
         serde_json::to_vec(self).expect("a timeout message always serialises")
     }
 
-    /// Stable per (order, deadline version): duplicates share it.
+    /// Stable per (shard, order, deadline version): duplicates share it. Shard 0 is
+    /// not named (a single database's ids are what they always were).
     pub fn message_id(&self) -> String {
-        format!("order-{}-v{}", self.order_id, self.deadline_version)
+        match self.shard {
+            0 => format!("order-{}-v{}", self.order_id, self.deadline_version),
+            s => format!("s{s}-order-{}-v{}", self.order_id, self.deadline_version),
+        }
     }
 
     pub fn properties(&self) -> BasicProperties {
@@ -244,6 +264,33 @@ mod tests {
         );
         assert_eq!(TimeoutMessage::decode(body.as_bytes()).unwrap(), m);
         assert_eq!(m.message_id(), "order-42-v3");
+    }
+
+    #[test]
+    fn shard_zero_is_left_out_and_an_absent_shard_is_zero() {
+        let at = DateTime::parse_from_rfc3339("2026-12-02T10:15:00.123Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let single = TimeoutMessage::new(42, at, 3);
+        // Byte for byte what a worker without shards always wrote.
+        assert_eq!(
+            String::from_utf8(single.encode()).unwrap(),
+            r#"{"v":1,"order_id":42,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":3,"attempt":0,"hops":0}"#
+        );
+        let old =
+            br#"{"v":1,"order_id":42,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":3}"#;
+        assert_eq!(TimeoutMessage::decode(old).unwrap().shard, 0);
+        let sharded = single.clone().in_shard(2);
+        let body = String::from_utf8(sharded.encode()).unwrap();
+        assert!(body.ends_with(r#""hops":0,"shard":2}"#), "{body}");
+        assert_eq!(TimeoutMessage::decode(body.as_bytes()).unwrap(), sharded);
+        assert_eq!(sharded.message_id(), "s2-order-42-v3");
+        assert_ne!(sharded.message_id(), single.message_id());
+        let too_big = br#"{"v":1,"order_id":1,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":1,"shard":65536}"#;
+        assert!(matches!(
+            TimeoutMessage::decode(too_big),
+            Err(DecodeError::Malformed(_))
+        ));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! acts on; [`watch`] follows the backlog's drain rate between refreshes.
 
 pub mod check;
+mod render;
 pub mod watch;
 
 use std::time::Duration;
@@ -60,6 +61,33 @@ pub struct Status {
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
+    /// With `database.shards`: each shard's own figures (the fields above are then
+    /// all shards together: counts summed, the oldest of each, the worst lateness).
+    /// Empty, and left out, with one database.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardStatus>,
+}
+
+/// One order database's figures, as `lapse status` shows them per shard.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ShardStatus {
+    pub shard: u16,
+    pub overdue_unpaid: i64,
+    pub oldest_overdue_ms: Option<f64>,
+    pub unreadable_deadlines: i64,
+    pub outbox_rows: i64,
+    pub oldest_outbox_ms: Option<f64>,
+    pub outbox_retrying: i64,
+    pub recent_closes: i64,
+    pub recent_sweeper_closes: i64,
+    pub recent_release_repairs: i64,
+    pub release_repairs_total: i64,
+    pub releases_missing: i64,
+    pub oldest_missing_release_ms: Option<f64>,
+    pub releases_exhausted: i64,
+    pub lateness_p50_ms: Option<f64>,
+    pub lateness_p99_ms: Option<f64>,
+    pub lateness_max_ms: Option<f64>,
 }
 
 /// Closes in this many minutes count as recent.
@@ -75,14 +103,24 @@ pub async fn collect<C: GenericClient>(
     collect_with_grace(conn, db, topology, grace).await
 }
 
-/// The status; a release counts as missing `release_grace` after its order closed.
-// Over 60 lines on purpose: one query per figure `lapse status` shows, then one struct literal.
+/// The status of one database; a release counts as missing `release_grace` after its
+/// order closed.
 pub async fn collect_with_grace<C: GenericClient>(
     conn: &lapin::Connection,
     db: &C,
     topology: &Topology,
     release_grace: Duration,
 ) -> Result<Status, StatusError> {
+    let queues = queue_depths(conn, topology).await?;
+    let orders = order_figures(db, 0, release_grace).await?;
+    Ok(Status::new(queues, vec![orders], release_grace, false))
+}
+
+/// Depth and consumers of every queue of `topology` (passive declares).
+pub async fn queue_depths(
+    conn: &lapin::Connection,
+    topology: &Topology,
+) -> Result<Vec<QueueDepth>, StatusError> {
     let mut queues = Vec::new();
     for q in &topology.queues {
         let counts = broker::queue_state(conn, &q.name).await?.counts();
@@ -93,6 +131,16 @@ pub async fn collect_with_grace<C: GenericClient>(
             consumers: counts.map(|c| c.consumers),
         });
     }
+    Ok(queues)
+}
+
+/// One shard's figures from its database.
+// Over 60 lines on purpose: one query per figure `lapse status` shows, then one struct literal.
+pub async fn order_figures<C: GenericClient>(
+    db: &C,
+    shard: u16,
+    release_grace: Duration,
+) -> Result<ShardStatus, StatusError> {
     let sane = crate::deadline::in_range_sql("expire_at");
     let overdue = db
         .query_one(
@@ -145,27 +193,86 @@ pub async fn collect_with_grace<C: GenericClient>(
         )
         .await
         .map_err(DbError::from)?;
-    Ok(Status {
-        queues,
+    Ok(ShardStatus {
+        shard,
         overdue_unpaid: column(&overdue, "overdue")?,
         oldest_overdue_ms: column(&overdue, "oldest_ms")?,
         unreadable_deadlines: column(&overdue, "unreadable")?,
         outbox_rows: column(&outbox, "waiting")?,
         oldest_outbox_ms: column(&outbox, "oldest_ms")?,
         outbox_retrying: column(&outbox, "retrying")?,
-        recent_window_minutes: RECENT_MINUTES,
         recent_closes: column(&recent, "closes")?,
         recent_sweeper_closes: column(&recent, "swept")?,
         recent_release_repairs,
         release_repairs_total,
         releases_missing: column(&missing, "missing")?,
         oldest_missing_release_ms: column(&missing, "oldest_ms")?,
-        release_grace_ms: u64::try_from(grace_ms).unwrap_or(u64::MAX),
         releases_exhausted: column(&missing, "exhausted")?,
         lateness_p50_ms: column(&recent, "p50_ms")?,
         lateness_p99_ms: column(&recent, "p99_ms")?,
         lateness_max_ms: column(&recent, "max_ms")?,
     })
+}
+
+/// The larger of two optional figures.
+fn worst(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+impl Status {
+    /// The status of `shards` together; with `sharded`, each one's figures are kept too.
+    pub fn new(
+        queues: Vec<QueueDepth>,
+        shards: Vec<ShardStatus>,
+        release_grace: Duration,
+        sharded: bool,
+    ) -> Self {
+        let mut all = ShardStatus::default();
+        for s in &shards {
+            all.overdue_unpaid += s.overdue_unpaid;
+            all.oldest_overdue_ms = worst(all.oldest_overdue_ms, s.oldest_overdue_ms);
+            all.unreadable_deadlines += s.unreadable_deadlines;
+            all.outbox_rows += s.outbox_rows;
+            all.oldest_outbox_ms = worst(all.oldest_outbox_ms, s.oldest_outbox_ms);
+            all.outbox_retrying += s.outbox_retrying;
+            all.recent_closes += s.recent_closes;
+            all.recent_sweeper_closes += s.recent_sweeper_closes;
+            all.recent_release_repairs += s.recent_release_repairs;
+            all.release_repairs_total += s.release_repairs_total;
+            all.releases_missing += s.releases_missing;
+            all.oldest_missing_release_ms =
+                worst(all.oldest_missing_release_ms, s.oldest_missing_release_ms);
+            all.releases_exhausted += s.releases_exhausted;
+            all.lateness_p50_ms = worst(all.lateness_p50_ms, s.lateness_p50_ms);
+            all.lateness_p99_ms = worst(all.lateness_p99_ms, s.lateness_p99_ms);
+            all.lateness_max_ms = worst(all.lateness_max_ms, s.lateness_max_ms);
+        }
+        Status {
+            queues,
+            overdue_unpaid: all.overdue_unpaid,
+            oldest_overdue_ms: all.oldest_overdue_ms,
+            unreadable_deadlines: all.unreadable_deadlines,
+            outbox_rows: all.outbox_rows,
+            oldest_outbox_ms: all.oldest_outbox_ms,
+            outbox_retrying: all.outbox_retrying,
+            recent_window_minutes: RECENT_MINUTES,
+            recent_closes: all.recent_closes,
+            recent_sweeper_closes: all.recent_sweeper_closes,
+            recent_release_repairs: all.recent_release_repairs,
+            release_repairs_total: all.release_repairs_total,
+            releases_missing: all.releases_missing,
+            oldest_missing_release_ms: all.oldest_missing_release_ms,
+            release_grace_ms: u64::try_from(release_grace.as_millis()).unwrap_or(u64::MAX),
+            releases_exhausted: all.releases_exhausted,
+            lateness_p50_ms: all.lateness_p50_ms,
+            lateness_p99_ms: all.lateness_p99_ms,
+            lateness_max_ms: all.lateness_max_ms,
+            shards: if sharded { shards } else { Vec::new() },
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -199,63 +306,5 @@ impl Status {
             .filter_map(|q| q.messages)
             .map(u64::from)
             .sum()
-    }
-
-    pub fn render(&self) -> String {
-        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
-        let mut out = String::new();
-        for q in &self.queues {
-            if q.consumers == Some(0) && matches!(q.role.as_str(), "due" | "stock release") {
-                out.push_str(&format!(
-                    "NO CONSUMER on {} ({}): no worker is running for this prefix\n",
-                    q.queue, q.role
-                ));
-            }
-        }
-        out.push_str(&format!(
-            "QUEUES\n  {:<40} {:<14} {:>9} {:>9}\n",
-            "name", "role", "messages", "consumers"
-        ));
-        for q in &self.queues {
-            let depth = q.messages.map_or("MISSING".to_string(), |n| n.to_string());
-            let consumers = q.consumers.map_or("-".to_string(), |n| n.to_string());
-            out.push_str(&format!(
-                "  {:<40} {:<14} {depth:>9} {consumers:>9}\n",
-                q.queue, q.role
-            ));
-        }
-        out.push_str(&format!(
-            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
-            self.overdue_unpaid,
-            ms(self.oldest_overdue_ms),
-            self.outbox_rows,
-            ms(self.oldest_outbox_ms),
-            self.outbox_retrying,
-        ));
-        if self.unreadable_deadlines > 0 {
-            out.push_str(&format!(
-                "  UNREADABLE         {} UNPAID orders with a deadline lapse cannot handle (docs/operations.md)\n",
-                self.unreadable_deadlines
-            ));
-        }
-        out.push_str(&format!(
-            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
-            self.recent_window_minutes,
-            self.recent_closes,
-            self.recent_sweeper_closes,
-            self.recent_release_repairs,
-            self.release_repairs_total,
-            ms(self.lateness_p50_ms),
-            ms(self.lateness_p99_ms),
-            ms(self.lateness_max_ms),
-        ));
-        out.push_str(&format!(
-            "RELEASES\n  missing            {} closed more than {} ago without a stock release (oldest {}, {} given up by the reconciler)\n",
-            self.releases_missing,
-            humantime::format_duration(Duration::from_millis(self.release_grace_ms)),
-            ms(self.oldest_missing_release_ms),
-            self.releases_exhausted,
-        ));
-        out
     }
 }

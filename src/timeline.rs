@@ -14,6 +14,9 @@ use crate::message::TimeoutMessage;
 pub struct Hop {
     #[serde(skip)]
     pub order_id: i64,
+    /// The order's database (written to that shard's timeline).
+    #[serde(skip)]
+    pub shard: u16,
     /// The tier's name, or `due` when the message skips the wait queues.
     pub tier: String,
     /// The component that published it.
@@ -27,6 +30,7 @@ impl Hop {
     pub fn of(message: &TimeoutMessage, tier: Option<String>, by: &'static str) -> Self {
         Self {
             order_id: message.order_id,
+            shard: message.shard,
             tier: tier.unwrap_or_else(|| "due".into()),
             by,
             deadline_version: message.deadline_version,

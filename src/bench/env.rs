@@ -55,12 +55,15 @@ impl BenchEnv {
     ) -> anyhow::Result<Self> {
         crate::config::validate_prefix(prefix)?;
         let tier_file = config.tier_file()?;
-        let mut url = url::Url::parse(config.database.url.expose())
+        // With shards, the run's database goes on shard 0's server, never into a shard.
+        let base_url = config.database.shard_list().remove(0).url;
+        let mut url = url::Url::parse(base_url.expose())
             .context("database.url is not a valid PostgreSQL URL")?;
         url.set_path(&format!("/{database_name}"));
         let database_url = Secret::new(url.to_string());
         let mut config = config.clone();
         config.database.url = database_url.clone();
+        config.database.shards = None;
         config.broker.prefix = prefix.to_string();
         let endpoint = crate::amqp::endpoint(&config.broker)?;
         let conn = endpoint.connect("lapse bench").await?;

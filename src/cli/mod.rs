@@ -11,6 +11,7 @@ mod completions;
 mod demo;
 mod failure;
 pub mod help;
+mod migrate;
 mod order;
 mod parked;
 mod status;
@@ -79,7 +80,7 @@ pub enum Command {
         &["lapse migrate", "LAPSE_DATABASE__URL=postgres://app@db:5432/shop lapse migrate --json"],
         &[help::OK, (1, "a migration failed"), help::USAGE, help::UNREACHABLE],
     ))]
-    Migrate(order::MigrateArgs),
+    Migrate(migrate::MigrateArgs),
     /// Run the timeout pipeline: consumer, relay, stock releaser and sweeper.
     Worker(worker::WorkerArgs),
     /// Show lapse at work on the local services: thousands of orders with deadlines,
@@ -160,7 +161,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
     let config = cli.load_config()?;
     match cli.command {
         Command::Topology { action } => topology::run(&config, action).await,
-        Command::Migrate(args) => order::migrate(&config, args).await,
+        Command::Migrate(args) => migrate::run(&config, args).await,
         Command::Worker(args) => worker::run(config, args).await,
         Command::Demo(args) => demo::run(config, args).await,
         Command::Order { action } => order::run(&config, action).await,

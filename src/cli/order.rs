@@ -1,4 +1,4 @@
-//! `lapse order create | pay | extend | show` and `lapse migrate`.
+//! `lapse order create | pay | extend | show`.
 
 use std::time::Duration;
 
@@ -107,19 +107,13 @@ pub enum OrderCommand {
     },
 }
 
-/// `lapse migrate`'s options.
-#[derive(Debug, clap::Args)]
-pub struct MigrateArgs {
-    /// Print {"applied": N} as JSON on stdout.
-    #[arg(long)]
-    json: bool,
-}
-
 /// Orders created per transaction by `create --count`.
 const CREATE_CHUNK: u32 = 500;
 
 pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitStatus> {
-    let pool = db::pool(&config.database, 1)?;
+    // With shards, `lapse order` works on shard 0 (database.shards[0]).
+    let shard0 = config.database.shard_list().remove(0);
+    let pool = db::pool(&config.database.for_shard(&shard0), 1)?;
     let mut client = pool.get().await?;
     match command {
         OrderCommand::Create {
@@ -331,15 +325,4 @@ fn print_order(v: &orders::OrderView) {
             detail
         );
     }
-}
-
-pub async fn migrate(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatus> {
-    let applied =
-        db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config)).await?;
-    if args.json {
-        print_json(&serde_json::json!({ "applied": applied }))?;
-    } else {
-        println!("{applied} migration(s) applied; the schema is up to date");
-    }
-    Ok(ExitStatus::Ok)
 }

@@ -8,7 +8,7 @@ use clap::Args;
 use super::{ExitStatus, print_json};
 use crate::amqp::broker::{self, BrokerError, Endpoint};
 use crate::amqp::topology::{Topology, VerifyReport};
-use crate::config::Config;
+use crate::config::{Config, Shard};
 use crate::db::DbError;
 use crate::redact::redact;
 use crate::status::check::{Problem, Thresholds, problems};
@@ -73,12 +73,12 @@ enum Failure {
     Other(anyhow::Error),
 }
 
-/// The broker connection (kept across refreshes) and the database pool.
+/// The broker connection (kept across refreshes) and a database pool per shard.
 struct Sources<'a> {
     config: &'a Config,
     topology: Topology,
     endpoint: Endpoint,
-    pool: deadpool_postgres::Pool,
+    pools: Vec<(Shard, deadpool_postgres::Pool)>,
     conn: Option<lapin::Connection>,
 }
 
@@ -108,7 +108,7 @@ impl Sources<'_> {
         )
     }
 
-    fn database_down(&self, e: &(dyn std::error::Error + 'static)) -> Problem {
+    fn database_down(&self, shard: &Shard, e: &(dyn std::error::Error + 'static)) -> Problem {
         let why = redact(&chain(e)).into_owned();
         let hint = if why.contains("does not exist") {
             "; `lapse migrate` creates it, or check database.url"
@@ -119,7 +119,7 @@ impl Sources<'_> {
             "unreachable",
             format!(
                 "cannot reach the database {}: {why}{hint}",
-                shown_database(self.config)
+                shown_database(self.config, shard)
             ),
         )
     }
@@ -135,18 +135,18 @@ impl Sources<'_> {
                 Err(e) => down.push(self.broker_down(&e)),
             }
         }
-        let client = match self.pool.get().await {
-            Ok(client) => Some(client),
-            Err(e) if super::failure::is_usage(&e) => return Err(Failure::Other(e.into())),
-            Err(e) => {
-                down.push(self.database_down(&e));
-                None
+        let mut clients = Vec::new();
+        for (shard, pool) in &self.pools {
+            match pool.get().await {
+                Ok(client) => clients.push((shard.index, client)),
+                Err(e) if super::failure::is_usage(&e) => return Err(Failure::Other(e.into())),
+                Err(e) => down.push(self.database_down(shard, &e)),
             }
-        };
-        let (Some(conn), Some(client)) = (self.conn.take(), client) else {
+        }
+        let Some(conn) = self.conn.take().filter(|_| down.is_empty()) else {
             return Err(Failure::Unreachable(down));
         };
-        let outcome = self.measure(&conn, &client, drift).await;
+        let outcome = self.measure(&conn, &clients, drift).await;
         // A connection the broker dropped is opened again on the next refresh.
         if conn.status().connected() {
             self.conn = Some(conn);
@@ -157,32 +157,22 @@ impl Sources<'_> {
     async fn measure(
         &self,
         conn: &lapin::Connection,
-        client: &deadpool_postgres::Client,
+        clients: &[(u16, deadpool_postgres::Client)],
         drift: bool,
     ) -> Result<(Status, Option<VerifyReport>), Failure> {
         let grace = self.config.sweeper.release_grace;
-        let status = match crate::status::collect_with_grace(
-            conn,
-            &***client,
-            &self.topology,
-            grace,
-        )
-        .await
-        {
-            Ok(status) => status,
-            Err(StatusError::Broker(e)) => {
-                return Err(Failure::Unreachable(vec![self.broker_down(&e)]));
-            }
-            Err(StatusError::Db(e)) if lost_database(&e) => {
-                return Err(Failure::Unreachable(vec![self.database_down(&e)]));
-            }
-            Err(StatusError::Db(e)) => {
-                return Err(Failure::Other(anyhow::anyhow!(
-                    "{}; has `lapse migrate` run on this database?",
-                    e.detail()
-                )));
-            }
+        let queues = match crate::status::queue_depths(conn, &self.topology).await {
+            Ok(queues) => queues,
+            Err(e) => return Err(self.failed(e, None)),
         };
+        let mut shards = Vec::new();
+        for (index, client) in clients {
+            match crate::status::order_figures(&***client, *index, grace).await {
+                Ok(figures) => shards.push(figures),
+                Err(e) => return Err(self.failed(e, Some(*index))),
+            }
+        }
+        let status = Status::new(queues, shards, grace, self.config.database.sharded());
         let report = if drift {
             let vhost = broker::vhost(&self.config.broker.url);
             match crate::amqp::topology::verify(conn, None, &vhost, &self.topology).await {
@@ -193,6 +183,21 @@ impl Sources<'_> {
             None
         };
         Ok((status, report))
+    }
+
+    /// What a failed collection means: a source gone (exit 3) or anything else.
+    fn failed(&self, e: StatusError, shard: Option<u16>) -> Failure {
+        let shard = shard.and_then(|i| self.pools.iter().find(|(s, _)| s.index == i));
+        match (e, shard) {
+            (StatusError::Broker(e), _) => Failure::Unreachable(vec![self.broker_down(&e)]),
+            (StatusError::Db(e), Some((shard, _))) if lost_database(&e) => {
+                Failure::Unreachable(vec![self.database_down(shard, &e)])
+            }
+            (StatusError::Db(e), _) => Failure::Other(anyhow::anyhow!(
+                "{}; has `lapse migrate` run on this database?",
+                e.detail()
+            )),
+        }
     }
 
     async fn close(&mut self) {
@@ -217,9 +222,10 @@ fn lost_database(e: &DbError) -> bool {
     }
 }
 
-/// `host:port/dbname` of `database.url`, without credentials.
-fn shown_database(config: &Config) -> String {
-    let Ok(pg) = crate::db::pg_config(&config.database.url) else {
+/// `host:port/dbname` of a shard's URL, without credentials (and the shard, with
+/// shards).
+fn shown_database(config: &Config, shard: &Shard) -> String {
+    let Ok(pg) = crate::db::pg_config(&shard.url) else {
         return "(database.url)".into();
     };
     let host = match pg.get_hosts().first() {
@@ -228,10 +234,14 @@ fn shown_database(config: &Config) -> String {
         None => "localhost".into(),
     };
     let port = pg.get_ports().first().copied().unwrap_or(5432);
-    format!(
+    let shown = format!(
         "`{}` at {host}:{port}",
         pg.get_dbname().unwrap_or("(default)")
-    )
+    );
+    match config.database.sharded() {
+        true => format!("of shard {} ({shown})", shard.index),
+        false => shown,
+    }
 }
 
 pub async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<ExitStatus> {
@@ -239,7 +249,15 @@ pub async fn run(config: &Config, args: StatusArgs) -> anyhow::Result<ExitStatus
         config,
         topology: Topology::new(&config.names(), &config.tier_file()?),
         endpoint: crate::amqp::endpoint(&config.broker)?,
-        pool: crate::db::pool(&config.database, 1)?,
+        pools: config
+            .database
+            .shard_list()
+            .into_iter()
+            .map(|shard| {
+                let pool = crate::db::pool(&config.database.for_shard(&shard), 1)?;
+                Ok((shard, pool))
+            })
+            .collect::<Result<_, crate::db::DbError>>()?,
         conn: None,
     };
     let result = if args.watch {

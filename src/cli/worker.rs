@@ -134,23 +134,48 @@ fn uses_database(config: &Config) -> bool {
     w.consumer || w.relay || w.releaser || w.sweeper
 }
 
-/// Applies the migrations, waiting with back-off while the database does not answer
-/// (or answers that it is starting up); any other failure (refused credentials, a
-/// failed migration) is an error. False
-/// when a signal came first.
+/// Applies the migrations to every shard (all at once), each waiting with back-off
+/// while its database does not answer (or answers that it is starting up); any other
+/// failure (refused credentials, a failed migration) is an error, naming the shard when
+/// there are shards. False when a signal came first.
 async fn migrate_when_reachable(
     config: &Config,
     token: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<bool> {
     let settings = db::Settings::from_config(config);
+    let shards = config.database.shard_list();
+    let runs = shards
+        .iter()
+        .map(|shard| migrate_shard_when_reachable(config, shard, &settings, token));
+    let mut reached = true;
+    for result in futures_util::future::join_all(runs).await {
+        reached &= result?;
+    }
+    Ok(reached)
+}
+
+async fn migrate_shard_when_reachable(
+    config: &Config,
+    shard: &crate::config::Shard,
+    settings: &db::Settings,
+    token: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<bool> {
+    let name = config.database.per_shard("database", shard.index);
     let mut delay = std::time::Duration::from_millis(500);
     loop {
-        let error = match db::migrate_with_settings(&config.database.url, &settings).await {
+        let error = match db::migrate_with_settings(&shard.url, settings).await {
             Ok(_) => return Ok(true),
             Err(e) if e.is_transient() => e.detail(),
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                if config.database.sharded() {
+                    tracing::error!(shard = shard.index, error = %e.detail(),
+                        "migrations failed on database.shards[{}]", shard.index);
+                }
+                return Err(e.into());
+            }
         };
         tracing::warn!(
+            database = %name,
             error = %error,
             retry_in_ms = delay.as_millis() as u64,
             "migrations wait for the database"
@@ -170,7 +195,18 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     if !uses_database(config) {
         return Ok(());
     }
-    let mut pg = db::pg_config(&config.database.url)?;
+    for shard in config.database.shard_list() {
+        check_shard(config, &shard).await?;
+    }
+    Ok(())
+}
+
+async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::Result<()> {
+    let key = match config.database.sharded() {
+        true => format!("database.shards[{}]", shard.index),
+        false => "database.url".to_string(),
+    };
+    let mut pg = db::pg_config(&shard.url)?;
     pg.connect_timeout(std::time::Duration::from_secs(5));
     let (client, connection) = match db::connect(&pg).await {
         Ok(pair) => pair,
@@ -197,7 +233,7 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     let _ = driver.await;
     if !schema {
         return Err(crate::config::ConfigError {
-            key: "database.url".into(),
+            key,
             problem: "the database has no lapse schema; run `lapse migrate` (or set \
                       worker.migrate_on_start = true)"
                 .into(),

@@ -90,12 +90,22 @@ pub struct Relay {
     pub batch_size: i64,
     pub stats: Stats,
     pub tier_check: TierCheck,
+    /// The shard whose outbox this relay drains: stamped on every message it
+    /// publishes (0, the only database without shards, is not written).
+    pub shard: u16,
+    /// Its name on `/health` and in logs: `relay`, or `relay.s<shard>` with shards.
+    pub component: &'static str,
+    /// The `shard` label of its database gauges; `None` without shards.
+    pub shard_label: Option<String>,
 }
 
 impl Relay {
     pub fn new(config: &Config, pool: Pool, tiers: TierSet, stats: Stats) -> Self {
         Self {
             pool,
+            shard: 0,
+            component: "relay",
+            shard_label: None,
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
             names: config.names(),
             tiers,
@@ -216,8 +226,12 @@ impl Relay {
         // instance at the drain limit) aborts them.
         let mut helpers = JoinSet::new();
         helpers.spawn(listen(db_url, wake.clone(), token.clone()));
-        helpers.spawn(backlog::run(self.pool.clone(), token.clone()));
-        let result = crate::runtime::backoff::reconnecting("relay", &health, &token, || {
+        helpers.spawn(backlog::run(
+            self.pool.clone(),
+            self.shard_label.clone(),
+            token.clone(),
+        ));
+        let result = crate::runtime::backoff::reconnecting(self.component, &health, &token, || {
             self.session(&broker, &wake, poll, &health, &token)
         })
         .await;
@@ -235,13 +249,16 @@ impl Relay {
         health: &Health,
         token: &CancellationToken,
     ) -> Result<(), BrokerError> {
-        let name = format!("lapse relay {}", self.names.prefix);
-        let busy = health.busy("relay");
+        let name = match self.shard_label {
+            Some(_) => format!("lapse relay {} shard {}", self.names.prefix, self.shard),
+            None => format!("lapse relay {}", self.names.prefix),
+        };
+        let busy = health.busy(self.component);
         let conn = broker.connect(&name).await?;
-        let _blocked = BlockedWatch::start(&conn, &name, "relay", health);
+        let _blocked = BlockedWatch::start(&conn, &name, self.component, health);
         let publisher = broker.publisher(&conn).await?;
         drop(busy);
-        health.up("relay");
+        health.up(self.component);
         let mut backoff = Backoff::new();
         let result = loop {
             if token.is_cancelled() {
@@ -257,7 +274,7 @@ impl Relay {
                 backoff.sleep(token).await;
                 continue;
             }
-            let busy = health.busy("relay");
+            let busy = health.busy(self.component);
             let round = self.run_once(&conn, &publisher).await;
             drop(busy);
             match round {
@@ -276,7 +293,7 @@ impl Relay {
                 Ok(RelayOutcome::Idle) => wait(wake, poll, token).await,
                 Err(RelayError::Broker(e)) => break Err(e),
                 Err(RelayError::Db(e)) => {
-                    tracing::warn!(error = %e, "relay: database error; retrying");
+                    tracing::warn!(component = self.component, error = %e, "relay: database error; retrying");
                     backoff.sleep(token).await;
                 }
             }

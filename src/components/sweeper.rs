@@ -23,6 +23,7 @@ use crate::components::reconciler;
 use crate::config::SweeperConfig;
 use crate::db::{DbError, column};
 use crate::deadline;
+use crate::observe::metric_catalog as m;
 use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::health::Busy;
 use crate::runtime::health::Health;
@@ -80,12 +81,36 @@ fn sweepable(row: &tokio_postgres::Row) -> Result<Candidate, String> {
     })
 }
 
+impl SweepReport {
+    /// Sets the gauges a leader's sweep measures, labelled `shard` when given.
+    fn export(&self, shard: Option<&str>) {
+        if !self.leader {
+            return;
+        }
+        let (unreadable, stuck) = (self.unreadable as f64, self.stuck_outbox as f64);
+        match shard {
+            Some(shard) => {
+                let shard = shard.to_string();
+                metrics::gauge!(m::UNREADABLE_DEADLINES, "shard" => shard.clone()).set(unreadable);
+                metrics::gauge!(m::OUTBOX_STUCK, "shard" => shard).set(stuck);
+            }
+            None => {
+                metrics::gauge!(m::UNREADABLE_DEADLINES).set(unreadable);
+                metrics::gauge!(m::OUTBOX_STUCK).set(stuck);
+            }
+        }
+    }
+}
+
 impl Sweeper {
     /// One sweep and one reconciler pass from the start of its index.
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
         let token = CancellationToken::new();
-        self.sweep_once(None, &token, &mut reconciler::Cursor::default())
-            .await
+        let report = self
+            .sweep_once(None, &token, &mut reconciler::Cursor::default())
+            .await?;
+        report.export(None);
+        Ok(report)
     }
 
     /// One sweep; `busy` (when given) hears of progress after every batch; `token`
@@ -206,7 +231,6 @@ impl Sweeper {
             }
         }
         report.unreadable = unreadable.len();
-        metrics::gauge!("lapse_orders_unreadable_deadline").set(unreadable.len() as f64);
         if !unreadable.is_empty() {
             tracing::error!(
                 orders = unreadable.len(),
@@ -223,7 +247,6 @@ impl Sweeper {
             )
             .await?;
         report.stuck_outbox = column(&stuck, "stuck")?;
-        metrics::gauge!("lapse_outbox_stuck_rows").set(report.stuck_outbox as f64);
         if report.closed > 0 {
             tracing::warn!(
                 closed = report.closed,
@@ -240,9 +263,21 @@ impl Sweeper {
     }
 
     pub async fn run(self, health: Health, token: CancellationToken) {
+        self.run_as("sweeper", None, health, token).await
+    }
+
+    /// [`Sweeper::run`] under the name `component` on `/health` (`sweeper.s<i>` with
+    /// shards), its gauges labelled `shard` when given.
+    pub async fn run_as(
+        self,
+        component: &'static str,
+        shard: Option<String>,
+        health: Health,
+        token: CancellationToken,
+    ) {
         let mut cursor = reconciler::Cursor::default();
         loop {
-            let busy = health.busy("sweeper");
+            let busy = health.busy(component);
             let swept = self.sweep_once(Some(&busy), &token, &mut cursor).await;
             drop(busy);
             if token.is_cancelled() {
@@ -250,12 +285,15 @@ impl Sweeper {
             }
             match swept {
                 Ok(report) => {
-                    health.up("sweeper");
-                    tracing::debug!(?report, "sweep done");
+                    health.up(component);
+                    if report.leader {
+                        report.export(shard.as_deref());
+                    }
+                    tracing::debug!(component, ?report, "sweep done");
                 }
                 Err(e) => {
-                    health.down("sweeper", e.to_string());
-                    tracing::warn!(error = %e, "sweeper: database error");
+                    health.down(component, e.to_string());
+                    tracing::warn!(component, error = %e, "sweeper: database error");
                 }
             }
             tokio::select! {

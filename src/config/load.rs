@@ -20,6 +20,13 @@ impl Config {
             ));
         }
         let user = Figment::new().merge(Toml::file(file)).merge(env());
+        if user.find_value("database.url").is_ok() && user.find_value("database.shards").is_ok() {
+            return Err(ConfigError::new(
+                "database.url",
+                "set together with database.shards; with shards, list every database in \
+                 database.shards (shard 0 first) and leave database.url out",
+            ));
+        }
         let (user, warnings) = moved_keys(user);
         for warning in &warnings {
             tracing::warn!("{warning}");

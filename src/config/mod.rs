@@ -39,6 +39,7 @@ pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
 pub use load::{LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
+pub use shards::{MAX_SHARDS, Shard};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,9 +92,15 @@ pub struct BrokerTlsConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
-    /// PostgreSQL URL, e.g. `postgres://postgres@127.0.0.1:5432/lapse`.
+    /// PostgreSQL URL, e.g. `postgres://postgres@127.0.0.1:5432/lapse`: the only
+    /// order database (shard 0) when `shards` is not set.
     pub url: Secret,
-    /// Connections per pool (the worker, relay and sweeper each have their own).
+    /// Several order databases with the same schema: shard `i` is `shards[i]`. Set
+    /// instead of `url`, never together with it (see [`DatabaseConfig::shard_urls`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<Vec<Secret>>,
+    /// Connections per pool (the worker, relay and sweeper each have their own; per
+    /// shard).
     pub pool_size: usize,
     /// `statement_timeout` (and `idle_in_transaction_session_timeout`) of every pooled
     /// connection: a hung database call ends with an error instead of stalling a loop.
@@ -230,6 +237,7 @@ impl Default for Config {
             },
             database: DatabaseConfig {
                 url: Secret::new("postgres://postgres@127.0.0.1:5432/lapse"),
+                shards: None,
                 pool_size: 8,
                 statement_timeout: Duration::from_secs(30),
                 lock_timeout: Duration::from_secs(5),
@@ -287,6 +295,7 @@ impl Config {
                 "not a valid postgres:// URL or key=value string",
             )
         })?;
+        shards::validate(&self.database)?;
         positive("database.pool_size", self.database.pool_size as u64)?;
         positive("worker.prefetch", u64::from(self.worker.prefetch))?;
         positive("worker.batch_size", self.worker.batch_size as u64)?;
@@ -377,6 +386,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 mod addresses;
 mod load;
 mod moved;
+mod shards;
 mod timing;
 
 mod broker;

@@ -256,3 +256,99 @@ fn a_moved_key_still_works_with_a_deprecation_warning() {
         Ok(())
     });
 }
+
+#[test]
+fn shards_list_every_database_and_name_components_per_shard() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let config = load().unwrap();
+        assert!(!config.database.sharded());
+        let single = config.database.shard_list();
+        assert_eq!(single.len(), 1);
+        assert_eq!(single[0].url, config.database.url);
+        assert_eq!(config.database.per_shard("relay", 0), "relay");
+
+        jail.create_file(
+            "lapse.toml",
+            "[database]\nshards = [\"postgres://u:pw@h1/a\", \"postgres://u:pw@h2/a\"]",
+        )?;
+        let config = load().unwrap();
+        let shards = config.database.shard_list();
+        assert_eq!(shards.len(), 2);
+        assert_eq!(
+            (shards[1].index, shards[1].url.expose()),
+            (1, "postgres://u:pw@h2/a")
+        );
+        assert_eq!(config.database.per_shard("relay", 1), "relay.s1");
+        assert!(!format!("{config:?}").contains("pw"), "{config:?}");
+        Ok(())
+    });
+}
+
+#[test]
+fn shards_from_the_environment_are_a_bracketed_list() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        jail.set_env(
+            "LAPSE_DATABASE__SHARDS",
+            "[\"postgres://u:pw@h/a\", \"postgres://u:pw@h/b\"]",
+        );
+        let config = load().unwrap();
+        let urls: Vec<_> = config
+            .database
+            .shard_list()
+            .iter()
+            .map(|s| s.url.expose().to_string())
+            .collect();
+        assert_eq!(urls, ["postgres://u:pw@h/a", "postgres://u:pw@h/b"]);
+        // One variable per entry is not a list: an error naming the key.
+        jail.clear_env();
+        jail.set_env("LAPSE_DATABASE__SHARDS__0", "postgres://u:pw@h/a");
+        let error = load().unwrap_err();
+        assert!(error.key.starts_with("database.shards"), "{error}");
+        assert!(!error.to_string().contains("pw"), "{error}");
+        Ok(())
+    });
+}
+
+#[test]
+fn bad_shard_lists_name_the_key_and_hide_the_urls() {
+    Jail::expect_with(|jail| {
+        with_tier_file(jail);
+        let many: Vec<String> = (0..=MAX_SHARDS)
+            .map(|i| format!("\"postgres://u:s3cret@h/db{i}\""))
+            .collect();
+        let many = format!("[database]\nshards = [{}]", many.join(", "));
+        let cases = [
+            ("[database]\nshards = []", "database.shards", "at least one"),
+            (
+                "[database]\nshards = [\"postgres://u:s3cret@h/a\", \"postgres://v:s3cret@h:5432/a\"]",
+                "database.shards",
+                "shard 1 names the same database as shard 0",
+            ),
+            (
+                "[database]\nshards = [\"postgres://u:s3cret@h/a\", \"::s3cret::\"]",
+                "database.shards",
+                "shard 1 is not a valid",
+            ),
+            (&many, "database.shards", "at most 256"),
+            (
+                "[database]\nurl = \"postgres://u:s3cret@h/a\"\nshards = [\"postgres://u:s3cret@h/b\"]",
+                "database.url",
+                "together with database.shards",
+            ),
+        ];
+        for (text, key, problem) in cases {
+            jail.create_file("lapse.toml", text)?;
+            let error = load().unwrap_err();
+            assert_eq!(error.key, key, "{text}: {error}");
+            assert!(error.problem.contains(problem), "{text}: {error}");
+            assert!(!error.to_string().contains("s3cret"), "{error}");
+        }
+        // The environment's database.url with a file's shards is the same mistake.
+        jail.create_file("lapse.toml", "[database]\nshards = [\"postgres://h/b\"]")?;
+        jail.set_env("LAPSE_DATABASE__URL", "postgres://h/a");
+        assert_eq!(load().unwrap_err().key, "database.url");
+        Ok(())
+    });
+}

@@ -48,7 +48,10 @@ impl Sandbox {
             key: "database.url".into(),
             problem: problem.into(),
         };
-        let mut url = url::Url::parse(base.database.url.expose())
+        // With shards, the demo's database goes on shard 0's server; it never runs in
+        // the shards themselves.
+        let base_url = base.database.shard_list().remove(0).url;
+        let mut url = url::Url::parse(base_url.expose())
             .ok()
             .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
             .ok_or_else(|| {
@@ -79,6 +82,7 @@ impl Sandbox {
         let database = format!("{own}_demo_{suffix}");
         url.set_path(&format!("/{database}"));
         config.database.url = Secret::new(url.to_string());
+        config.database.shards = None;
         config.broker.prefix = prefix.clone();
         // The demo migrates before it starts the components, and runs every one of
         // them whatever the user's configuration switches off.

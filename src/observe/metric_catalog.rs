@@ -76,7 +76,7 @@ pub fn describe() {
     describe_counter!(
         PARKED,
         Unit::Count,
-        "Messages copied to the parked queue, by component and reason (undecodable, bad_deadline, database_unavailable, unroutable)."
+        "Messages copied to the parked queue, by component and reason (undecodable, bad_deadline, unknown_shard, database_unavailable, unroutable, release_failed)."
     );
     describe_counter!(
         UNROUTABLE,
@@ -101,12 +101,12 @@ pub fn describe() {
     describe_gauge!(
         OUTBOX_ROWS,
         Unit::Count,
-        "Rows waiting in the outbox, sampled by every relay."
+        "Rows waiting in the outbox, sampled by every relay (by shard, with database.shards)."
     );
     describe_gauge!(
         OUTBOX_OLDEST_AGE,
         Unit::Seconds,
-        "Age of the oldest outbox row (0 when empty), sampled by every relay."
+        "Age of the oldest outbox row (0 when empty), sampled by every relay (by shard, with database.shards)."
     );
     describe_gauge!(
         OUTBOX_STUCK,

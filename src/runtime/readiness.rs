@@ -25,7 +25,9 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct Readiness {
     /// `host:port` of each broker address, when a component uses the broker.
     broker: Option<Result<Vec<(String, u16)>, String>>,
-    database: Result<Pool, String>,
+    /// One pool per order database, named as its check (`database`, or
+    /// `database.s<i>` with shards).
+    database: Result<Vec<(String, Pool)>, String>,
 }
 
 impl Readiness {
@@ -41,19 +43,30 @@ impl Readiness {
                 })
                 .collect()
         });
-        let database = crate::db::pool(&config.database, 1).map_err(|e| e.to_string());
+        let database = config
+            .database
+            .shard_list()
+            .iter()
+            .map(|shard| {
+                let pool = crate::db::pool(&config.database.for_shard(shard), 1)?;
+                Ok((config.database.per_shard("database", shard.index), pool))
+            })
+            .collect::<Result<_, crate::db::DbError>>()
+            .map_err(|e| e.to_string());
         Self { broker, database }
     }
 
     /// Runs every check; returns whether all passed and the JSON body.
     pub async fn check(&self, health: &Health) -> (bool, Value) {
-        let (broker, database) = tokio::join!(self.broker(), self.database());
+        let (broker, databases) = tokio::join!(self.broker(), self.databases());
         let mut checks = serde_json::Map::new();
         let mut ready = true;
-        for (name, result) in [("broker", broker), ("database", database)] {
+        let named = std::iter::once(("broker".to_string(), broker))
+            .chain(databases.into_iter().map(|(name, r)| (name, Some(r))));
+        for (name, result) in named {
             let Some(result) = result else { continue };
             ready &= result.is_ok();
-            checks.insert(name.into(), verdict(result));
+            checks.insert(name, verdict(result));
         }
         for (name, state) in health.snapshot() {
             let result = if state.stalled {
@@ -99,11 +112,19 @@ impl Readiness {
         Some(Err(problems.join("; ")))
     }
 
-    async fn database(&self) -> Option<Result<(), String>> {
-        let pool = match &self.database {
-            Ok(pool) => pool,
-            Err(e) => return Some(Err(e.clone())),
+    /// Every order database, each checked on its own (all at once).
+    async fn databases(&self) -> Vec<(String, Result<(), String>)> {
+        let pools = match &self.database {
+            Ok(pools) => pools,
+            Err(e) => return vec![("database".to_string(), Err(e.clone()))],
         };
+        let checks = pools
+            .iter()
+            .map(|(name, pool)| async move { (name.clone(), Self::database(pool).await) });
+        futures_util::future::join_all(checks).await
+    }
+
+    async fn database(pool: &Pool) -> Result<(), String> {
         let ask = async {
             let client = pool.get().await.map_err(|e| e.to_string())?;
             client
@@ -112,13 +133,13 @@ impl Readiness {
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         };
-        Some(match tokio::time::timeout(CHECK_TIMEOUT, ask).await {
+        match tokio::time::timeout(CHECK_TIMEOUT, ask).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(format!("cannot reach the database: {e}")),
             Err(_) => Err(format!(
                 "cannot reach the database: no answer within {CHECK_TIMEOUT:?}"
             )),
-        })
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use crate::components::consumer::Consumer;
 use crate::components::relay::Relay;
 use crate::components::releaser::Releaser;
 use crate::components::sweeper::Sweeper;
-use crate::config::Config;
+use crate::config::{Config, Shard};
 use crate::db::{self, DbError};
 use crate::observe::stats::Stats;
 use crate::runtime::health::Health;
@@ -66,8 +66,10 @@ impl Service {
         token: CancellationToken,
     ) -> Result<Self, ServiceError> {
         if config.worker.migrate_on_start {
-            db::migrate_with_settings(&config.database.url, &db::Settings::from_config(config))
-                .await?;
+            let settings = db::Settings::from_config(config);
+            for (_, result) in db::migrate_shards(&config.database, &settings).await {
+                result?;
+            }
         }
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
@@ -135,8 +137,9 @@ impl Starter<'_> {
         );
     }
 
-    /// The components `config` enables, each with its own connection pool.
-    // Over 60 lines on purpose: one short block per component.
+    /// The components `config` enables, each with its own connection pool(s): one
+    /// consumer and one releaser holding a pool per shard, a relay and a sweeper per
+    /// shard (named `relay.s<i>`, `sweeper.s<i>` with shards).
     fn components(
         &mut self,
         config: &Config,
@@ -144,13 +147,14 @@ impl Starter<'_> {
         stats: Stats,
     ) -> Result<(), ServiceError> {
         let w = &config.worker;
-        let pool = || db::pool(&config.database, config.database.pool_size);
-        // Shared by the consumer and the sweeper: both together stay under the limit.
+        let database = &config.database;
+        let pools = || db::Pools::open(database, database.pool_size);
+        // Shared by the consumer and the sweepers: together they stay under the limit.
         let limiter = RateLimiter::new(w.closes_per_second);
         if w.consumer {
             let consumer = Consumer::new(
                 config,
-                pool()?,
+                pools()?,
                 tiers.clone(),
                 stats.clone(),
                 limiter.clone(),
@@ -158,15 +162,13 @@ impl Starter<'_> {
             self.add("consumer", move |b, h, t| consumer.clone().run(b, h, t));
         }
         if w.relay {
-            let relay = Relay::new(config, pool()?, tiers.clone(), stats.clone());
-            let (db_url, poll) = (config.database.url.clone(), config.relay.poll_interval);
-            self.add("relay", move |b, h, t| {
-                relay.clone().run(b, db_url.clone(), poll, h, t)
-            });
+            for shard in database.shard_list() {
+                self.relay(config, &shard, &tiers, &stats)?;
+            }
         }
         if w.releaser {
             let releaser = Releaser {
-                pool: pool()?,
+                pools: pools()?,
                 names: config.names(),
                 stats: stats.clone(),
                 prefetch: w.prefetch,
@@ -176,20 +178,9 @@ impl Starter<'_> {
             self.add("releaser", move |b, h, t| releaser.clone().run(b, h, t));
         }
         if w.sweeper {
-            let sweeper = Sweeper {
-                pool: pool()?,
-                stats,
-                config: config.sweeper.clone(),
-                limiter,
-                lock_timeout: config.database.lock_timeout,
-            };
-            self.add("sweeper", move |_, h, t| {
-                let sweeper = sweeper.clone();
-                async move {
-                    sweeper.run(h, t).await;
-                    Ok(())
-                }
-            });
+            for shard in database.shard_list() {
+                self.sweeper(config, &shard, &stats, &limiter)?;
+            }
         }
         if w.consumer || w.relay || w.releaser {
             let names = config.names();
@@ -202,6 +193,64 @@ impl Starter<'_> {
         }
         Ok(())
     }
+}
+
+impl Starter<'_> {
+    /// The relay of one shard's outbox (`relay`, or `relay.s<i>` with shards).
+    fn relay(
+        &mut self,
+        config: &Config,
+        shard: &Shard,
+        tiers: &TierSet,
+        stats: &Stats,
+    ) -> Result<(), ServiceError> {
+        let database = config.database.for_shard(shard);
+        let pool = db::pool(&database, database.pool_size)?;
+        let mut relay = Relay::new(config, pool, tiers.clone(), stats.clone());
+        relay.shard = shard.index;
+        relay.component = leak(config.database.per_shard("relay", shard.index));
+        relay.shard_label = config.database.sharded().then(|| shard.index.to_string());
+        let (db_url, poll) = (shard.url.clone(), config.relay.poll_interval);
+        self.add(relay.component, move |b, h, t| {
+            relay.clone().run(b, db_url.clone(), poll, h, t)
+        });
+        Ok(())
+    }
+
+    /// The sweeper of one shard (`sweeper`, or `sweeper.s<i>` with shards), with its
+    /// own leader election and reconciler in that database.
+    fn sweeper(
+        &mut self,
+        config: &Config,
+        shard: &Shard,
+        stats: &Stats,
+        limiter: &RateLimiter,
+    ) -> Result<(), ServiceError> {
+        let database = config.database.for_shard(shard);
+        let sweeper = Sweeper {
+            pool: db::pool(&database, database.pool_size)?,
+            stats: stats.clone(),
+            config: config.sweeper.clone(),
+            limiter: limiter.clone(),
+            lock_timeout: database.lock_timeout,
+        };
+        let name = leak(config.database.per_shard("sweeper", shard.index));
+        let label = config.database.sharded().then(|| shard.index.to_string());
+        self.add(name, move |_, h, t| {
+            let (sweeper, label) = (sweeper.clone(), label.clone());
+            async move {
+                sweeper.run_as(name, label, h, t).await;
+                Ok(())
+            }
+        });
+        Ok(())
+    }
+}
+
+/// A component's name for the supervisor, which keeps `&'static str` names: a few
+/// per-shard names leak once at start-up.
+fn leak(name: String) -> &'static str {
+    Box::leak(name.into_boxed_str())
 }
 
 fn boxed<F>(future: F) -> ComponentFuture

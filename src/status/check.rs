@@ -200,6 +200,7 @@ mod tests {
             lateness_p50_ms: None,
             lateness_p99_ms: None,
             lateness_max_ms: None,
+            shards: Vec::new(),
         }
     }
 

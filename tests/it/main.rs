@@ -33,6 +33,7 @@ mod reconciler_pacing;
 mod redelivery;
 mod release_repair;
 mod secrets;
+mod shards;
 mod status;
 mod tls;
 mod topology;

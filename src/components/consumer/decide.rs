@@ -3,14 +3,13 @@
 //! guarded UPDATE in the same transaction, and say what to do with each delivery.
 //! Executing the actions (publish, ack, park, hold) is the consumer's job.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use deadpool_postgres::Pool;
 
 use crate::close::{self, Candidate, CloseReason, Closed};
-use crate::db::{self, DbError};
+use crate::db::{self, DbError, Pools};
 use crate::deadline;
 use crate::message::{DecodeError, Route, TimeoutMessage};
 use crate::names::Names;
@@ -33,8 +32,14 @@ pub enum Action {
         /// no later than this.
         reroute_after: Option<Duration>,
     },
-    /// Copy to the parked queue with the reason, then acknowledge.
-    Park { reason: String, outcome: Outcome },
+    /// Copy to the parked queue with the reason, then acknowledge. `kind` is the
+    /// `parked` counter's reason (`undecodable`, `bad_deadline`, `unknown_shard`,
+    /// `database_unavailable`).
+    Park {
+        reason: String,
+        outcome: Outcome,
+        kind: &'static str,
+    },
     /// Keep unacknowledged, decide again after this long.
     Hold(Duration),
     /// Due, but another transaction holds the order's row lock (an application
@@ -45,7 +50,8 @@ pub enum Action {
 
 #[derive(Clone)]
 pub struct Decider {
-    pub pool: Pool,
+    /// One pool per order database; a message's `shard` chooses.
+    pub pools: Pools,
     pub names: Names,
     pub tiers: TierSet,
     pub max_attempts: u32,
@@ -108,41 +114,77 @@ struct Snapshot {
 }
 
 impl Decider {
-    /// Decides every message of a batch; also returns the orders it closed.
+    /// Decides every message of a batch; also returns the orders it closed, with their
+    /// shard. The messages of each shard are read and closed in that shard's own
+    /// transaction, all shards at once: a shard whose database is away takes the
+    /// database-away path (re-delay with `attempt + 1`, park after `max_attempts`)
+    /// while the others close. A message naming a shard this worker has no database
+    /// for is parked with the reason.
     pub async fn decide(
         &self,
         messages: &[Result<TimeoutMessage, DecodeError>],
-    ) -> (Vec<Action>, Vec<Closed>) {
-        let decoded: Vec<&TimeoutMessage> =
-            messages.iter().filter_map(|m| m.as_ref().ok()).collect();
-        // A batch of undecodable bodies needs no database at all.
-        let snapshot = if decoded.is_empty() {
-            Ok(Snapshot::default())
-        } else {
-            self.read_and_close(&decoded).await
-        };
-        let mut closed_ids: HashSet<i64> = match &snapshot {
-            Ok(s) => s.closed.iter().map(|c| c.order_id).collect(),
-            Err(_) => HashSet::new(),
-        };
+    ) -> (Vec<Action>, Vec<(u16, Closed)>) {
+        let mut by_shard: BTreeMap<u16, Vec<&TimeoutMessage>> = BTreeMap::new();
+        for m in messages.iter().filter_map(|m| m.as_ref().ok()) {
+            if self.pools.get(m.shard).is_some() {
+                by_shard.entry(m.shard).or_default().push(m);
+            }
+        }
+        // A batch of undecodable bodies (or unknown shards) needs no database at all.
+        let reads = by_shard
+            .iter()
+            .map(|(shard, ms)| async move { (*shard, self.read_and_close(*shard, ms).await) });
+        let mut snapshots: HashMap<u16, Result<Snapshot, DbError>> =
+            futures_util::future::join_all(reads)
+                .await
+                .into_iter()
+                .collect();
+        let mut closed_ids: HashMap<u16, HashSet<i64>> = snapshots
+            .iter()
+            .filter_map(|(shard, s)| s.as_ref().ok().map(|s| (*shard, s)))
+            .map(|(shard, s)| (shard, s.closed.iter().map(|c| c.order_id).collect()))
+            .collect();
         let actions = messages
             .iter()
-            .map(|m| match (m, &snapshot) {
-                (Err(e), _) => Action::Park {
-                    reason: e.to_string(),
-                    outcome: Outcome::Parked,
+            .map(|m| match m {
+                Err(e) => park(&e.to_string(), "undecodable"),
+                Ok(m) => match snapshots.get(&m.shard) {
+                    None => park(&self.unknown_shard(m.shard), "unknown_shard"),
+                    Some(Ok(snap)) => {
+                        self.classify(m, snap, closed_ids.entry(m.shard).or_default())
+                    }
+                    Some(Err(e)) => self.retry(m, e),
                 },
-                (Ok(m), Ok(snap)) => self.classify(m, snap, &mut closed_ids),
-                (Ok(m), Err(e)) => self.retry(m, e),
             })
             .collect();
-        let closed = snapshot.map(|s| s.closed).unwrap_or_default();
+        let mut closed = Vec::new();
+        for (shard, snapshot) in snapshots.drain() {
+            if let Ok(s) = snapshot {
+                closed.extend(s.closed.into_iter().map(|c| (shard, c)));
+            }
+        }
         (actions, closed)
     }
 
-    async fn read_and_close(&self, messages: &[&TimeoutMessage]) -> Result<Snapshot, DbError> {
+    fn unknown_shard(&self, shard: u16) -> String {
+        format!(
+            "the message names shard {shard}, but this worker has {} order database(s) \
+             (database.shards): is a worker with a shorter list consuming this prefix?",
+            self.pools.len()
+        )
+    }
+
+    async fn read_and_close(
+        &self,
+        shard: u16,
+        messages: &[&TimeoutMessage],
+    ) -> Result<Snapshot, DbError> {
         let ids: Vec<i64> = messages.iter().map(|m| m.order_id).collect();
-        let mut client = self.pool.get().await?;
+        let pool = self
+            .pools
+            .get(shard)
+            .ok_or_else(|| DbError::Config(self.unknown_shard(shard)))?;
+        let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         let rows = tx
             .query(
@@ -192,7 +234,7 @@ impl Decider {
     ) -> Action {
         let order = match snap.orders.get(&m.order_id) {
             None => return Action::Ack(Outcome::Missing),
-            Some(Err(reason)) => return park(reason),
+            Some(Err(reason)) => return park(reason, "bad_deadline"),
             Some(Ok(order)) => order,
         };
         if order.status != "UNPAID" {
@@ -203,7 +245,7 @@ impl Decider {
         }
         let expire_at = match &order.expire_at {
             Ok(t) => *t,
-            Err(reason) => return park(reason),
+            Err(reason) => return park(reason, "bad_deadline"),
         };
         if expire_at <= snap.db_now {
             return if closed_ids.remove(&m.order_id) {
@@ -252,6 +294,7 @@ impl Decider {
                     self.max_attempts
                 ),
                 outcome: Outcome::GaveUp,
+                kind: "database_unavailable",
             };
         }
         let mut message = m.clone();
@@ -279,10 +322,11 @@ impl Decider {
 }
 
 /// A delivery whose order cannot be decided: parked with the reason, counted.
-fn park(reason: &str) -> Action {
+fn park(reason: &str, kind: &'static str) -> Action {
     Action::Park {
         reason: reason.to_string(),
         outcome: Outcome::Parked,
+        kind,
     }
 }
 

@@ -7,14 +7,16 @@ use crate::config::Secret;
 fn decider() -> Decider {
     Decider {
         // Never connected: classify and retry are pure.
-        pool: db::pool(
-            &crate::config::DatabaseConfig {
-                url: Secret::new("postgres://nobody@127.0.0.1:1/none"),
-                ..crate::config::Config::default().database
-            },
-            1,
-        )
-        .unwrap(),
+        pools: Pools::single(
+            db::pool(
+                &crate::config::DatabaseConfig {
+                    url: Secret::new("postgres://nobody@127.0.0.1:1/none"),
+                    ..crate::config::Config::default().database
+                },
+                1,
+            )
+            .unwrap(),
+        ),
         names: Names::new("t"),
         tiers: TierSet::new(vec![
             Tier::parse("1s").unwrap(),
@@ -62,6 +64,7 @@ fn an_unreadable_deadline_parks_only_when_the_decision_needs_it() {
         Action::Park {
             reason: "order 7 has a deadline lapse cannot handle (-infinity)".into(),
             outcome: Outcome::Parked,
+            kind: "bad_deadline",
         }
     );
     let stale = TimeoutMessage::new(7, now(), 2);
@@ -75,6 +78,43 @@ fn an_unreadable_deadline_parks_only_when_the_decision_needs_it() {
     assert_eq!(action, Action::Ack(Outcome::Settled));
     let action = d.classify(&m, &snapshot(Err("order 7: x".into())), &mut HashSet::new());
     assert!(matches!(action, Action::Park { .. }), "{action:?}");
+}
+
+/// A message naming a shard this worker has no database for, and a body that does
+/// not decode, are parked with the reason without asking any database (this
+/// decider's only database is unreachable).
+#[tokio::test]
+async fn an_unknown_shard_and_an_undecodable_body_are_parked_with_the_reason() {
+    let d = decider();
+    let messages = [
+        Ok(TimeoutMessage::new(7, now(), 1).in_shard(3)),
+        TimeoutMessage::decode(b"{}"),
+    ];
+    let (actions, closed) = d.decide(&messages).await;
+    assert!(closed.is_empty());
+    let Action::Park {
+        reason,
+        outcome: Outcome::Parked,
+        kind: "unknown_shard",
+    } = &actions[0]
+    else {
+        panic!("expected an unknown_shard park, got {:?}", actions[0]);
+    };
+    assert!(
+        reason.contains("shard 3") && reason.contains("1 order database(s)"),
+        "{reason}"
+    );
+    assert!(
+        matches!(
+            &actions[1],
+            Action::Park {
+                kind: "undecodable",
+                ..
+            }
+        ),
+        "{:?}",
+        actions[1]
+    );
 }
 
 #[test]

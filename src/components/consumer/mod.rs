@@ -18,25 +18,27 @@
 //! missing or full tier never makes a close late by more than that.
 
 mod decide;
+mod execute;
 mod kept;
 mod plan;
 
 pub use decide::{Action, Decider};
+use execute::Planned;
 use kept::Kept;
 pub use plan::{Publish, Step, Tiers, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use lapin::message::Delivery;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, ack, consume};
+use crate::amqp::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, consume};
 use crate::amqp::broker::{BrokerError, Endpoint};
-use crate::amqp::publishing::{Outgoing, PublishingConnection, parked_copy};
+use crate::amqp::publishing::PublishingConnection;
 use crate::amqp::tier_check::TierCheck;
 use crate::config::Config;
+use crate::db::Pools;
 use crate::message::TimeoutMessage;
 use crate::names::Names;
 use crate::observe::stats::{Outcome, Stats};
@@ -45,7 +47,6 @@ use crate::runtime::health::{Busy, Health};
 use crate::runtime::rate::RateLimiter;
 use crate::runtime::supervisor::Fatal;
 use crate::tier::TierSet;
-use crate::timeline::Hop;
 
 #[derive(Clone)]
 pub struct Consumer {
@@ -114,7 +115,7 @@ impl Consumer {
     /// together stay under `worker.closes_per_second`.
     pub fn new(
         config: &Config,
-        pool: Pool,
+        pools: Pools,
         tiers: TierSet,
         stats: Stats,
         limiter: RateLimiter,
@@ -123,7 +124,7 @@ impl Consumer {
         let w = &config.worker;
         Self {
             decider: Decider {
-                pool,
+                pools,
                 names: names.clone(),
                 tiers,
                 max_attempts: w.max_attempts,
@@ -200,7 +201,7 @@ impl Consumer {
         // finished: the time spent deciding must not add to the lateness.
         let read_at = tokio::time::Instant::now();
         let (actions, closed) = self.decider.decide(&messages).await;
-        for c in &closed {
+        for (_, c) in &closed {
             self.stats.lateness(c.lateness(), "timeout");
         }
         let mut kept = Kept::default();
@@ -215,158 +216,43 @@ impl Consumer {
                 }
             },
         };
+        // With several shards, those whose database was away: their hops are not
+        // written to their timeline (waiting for that database would hold up the
+        // other shards). One database is tried as it always was.
+        let away: BTreeSet<u16> = actions
+            .iter()
+            .filter(|_| self.decider.pools.len() > 1)
+            .filter_map(|a| match a {
+                Action::Publish {
+                    message,
+                    outcome: Outcome::Retried,
+                    ..
+                } => Some(message.shard),
+                _ => None,
+            })
+            .collect();
         let steps: Vec<(Delivery, Step)> = batch
             .into_iter()
             .zip(actions)
-            .zip(&messages)
-            .map(|((delivery, action), decoded)| {
-                let step = plan(action, decoded, &delivery, &self.names, &tiers);
+            .map(|(delivery, action)| {
+                let step = plan(action, &delivery, &self.names, &tiers);
                 (delivery, step)
             })
             .collect();
         let mut report = self
-            .execute(steps, publishing, source, retry, read_at, kept)
+            .execute(
+                Planned {
+                    steps,
+                    read_at,
+                    away,
+                },
+                publishing,
+                source,
+                retry,
+                kept,
+            )
             .await?;
         report.closed = closed.len();
         Ok(report)
-    }
-
-    /// Carries out the steps of one batch: acknowledges, holds, publishes (then
-    /// acknowledges what was confirmed), keeps what could not be published.
-    async fn execute(
-        &self,
-        steps: Vec<(Delivery, Step)>,
-        publishing: &mut PublishingConnection,
-        source: &mut BatchSource,
-        retry: &mut Backoff,
-        read_at: tokio::time::Instant,
-        mut kept: Kept,
-    ) -> Result<BatchReport, BrokerError> {
-        let mut report = BatchReport {
-            deliveries: steps.len(),
-            ..Default::default()
-        };
-        let mut publishes = Vec::new();
-        for (delivery, step) in steps {
-            match step {
-                Step::Ack(outcome) => {
-                    ack(&delivery).await?;
-                    self.stats.record(outcome, 1);
-                    report.acked += 1;
-                }
-                Step::Hold { after, outcome } => {
-                    self.stats.record(outcome, 1);
-                    report.held += 1;
-                    source.hold(delivery, read_at + after);
-                }
-                Step::Keep {
-                    reroute_after,
-                    missing_queue,
-                } => {
-                    if let Some(queue) = missing_queue {
-                        self.stats.record(Outcome::Unroutable, 1);
-                        kept.because(BrokerError::MissingTier { queue });
-                    }
-                    kept.keep(delivery, reroute_after);
-                }
-                Step::Publish(p) => publishes.push((delivery, *p)),
-            }
-        }
-        let attempted = !publishes.is_empty();
-        let hops = self
-            .publish_then_ack(publishes, publishing, &mut kept, &mut report)
-            .await?;
-        // Keep the deliveries (no nack: that would spend their delivery budget) and
-        // decide them again later: by then some may be due, or the tier may have room.
-        if kept.failed() {
-            report.retrying = kept.hold_all(source, retry, read_at);
-        } else if attempted {
-            retry.reset();
-        }
-        self.record_hops(&hops).await;
-        Ok(report)
-    }
-
-    /// Publishes with confirms and acknowledges each delivery whose publish was
-    /// confirmed; parks the ones the broker confirmed but could not route; keeps the
-    /// rest. Returns the hops that went out.
-    // Over 60 lines on purpose: each publish outcome (confirmed, confirmed but unroutable, failed) with its counters; the unroutable ones need a second publish.
-    async fn publish_then_ack(
-        &self,
-        publishes: Vec<(Delivery, Publish)>,
-        publishing: &mut PublishingConnection,
-        kept: &mut Kept,
-        report: &mut BatchReport,
-    ) -> Result<Vec<Hop>, BrokerError> {
-        let messages = publishes.iter().map(|(_, p)| p.message.clone()).collect();
-        let results = publishing.publish_all(messages).await;
-        let mut hops = Vec::new();
-        let mut unroutable = Vec::new();
-        for ((delivery, p), result) in publishes.into_iter().zip(results) {
-            match result {
-                Ok(()) => {
-                    // The confirmed copy is in its tier whatever happens to this ack:
-                    // its hop is recorded even when the ack fails and the session ends.
-                    if let Some(hop) = p.hop {
-                        self.stats.hop(Some(hop.tier.as_str()));
-                        hops.push(hop);
-                    }
-                    if let Err(e) = ack(&delivery).await {
-                        self.record_hops(&hops).await;
-                        return Err(e);
-                    }
-                    self.stats.record(p.outcome, 1);
-                    if let Some(kind) = p.park {
-                        tracing::warn!(reason = kind, "worker: parked a message");
-                        self.stats.parked(kind);
-                    }
-                    report.acked += 1;
-                }
-                // Confirmed but routed nowhere: acknowledging would lose it.
-                Err(e @ BrokerError::Unroutable { .. }) => {
-                    tracing::warn!(error = %e, "worker: publish unroutable; parking the delivery");
-                    let copy = parked_copy(self.names.parked(), &delivery, &e.to_string());
-                    unroutable.push((copy, delivery));
-                }
-                Err(e) => {
-                    if matches!(e, BrokerError::Nacked { .. }) {
-                        self.stats.record(Outcome::PublishRefused, 1);
-                    }
-                    kept.because(e);
-                    kept.keep(delivery, p.reroute_after);
-                }
-            }
-        }
-        if unroutable.is_empty() {
-            return Ok(hops);
-        }
-        let (copies, deliveries): (Vec<Outgoing>, Vec<Delivery>) = unroutable.into_iter().unzip();
-        let results = publishing.publish_all(copies).await;
-        for (delivery, result) in deliveries.into_iter().zip(results) {
-            match result {
-                Ok(()) => {
-                    ack(&delivery).await?;
-                    self.stats.record(Outcome::Unroutable, 1);
-                    self.stats.parked("unroutable");
-                    report.acked += 1;
-                }
-                Err(e) => {
-                    kept.because(e);
-                    kept.keep(delivery, None);
-                }
-            }
-        }
-        Ok(hops)
-    }
-
-    /// Best effort: the timeline is for people, the decision never depends on it.
-    async fn record_hops(&self, hops: &[Hop]) {
-        if hops.is_empty() {
-            return;
-        }
-        let Ok(client) = self.decider.pool.get().await else {
-            return;
-        };
-        let _ = crate::timeline::record_hops(&**client, hops).await;
     }
 }

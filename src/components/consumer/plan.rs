@@ -10,7 +10,6 @@ use lapin::message::Delivery;
 
 use super::Action;
 use crate::amqp::publishing::{Outgoing, parked_copy};
-use crate::message::{DecodeError, TimeoutMessage};
 use crate::names::Names;
 use crate::observe::stats::Outcome;
 use crate::tier::Tier;
@@ -68,15 +67,9 @@ pub fn wanted_tiers(actions: &[Action]) -> BTreeSet<Tier> {
         .collect()
 }
 
-/// The step for one delivery. `decoded` is its body as decoded before deciding.
+/// The step for one delivery.
 // Over 60 lines on purpose: one arm per action; the table test below covers each.
-pub fn plan(
-    action: Action,
-    decoded: &Result<TimeoutMessage, DecodeError>,
-    delivery: &Delivery,
-    names: &Names,
-    tiers: &Tiers,
-) -> Step {
+pub fn plan(action: Action, delivery: &Delivery, names: &Names, tiers: &Tiers) -> Step {
     match action {
         Action::Ack(outcome) => Step::Ack(outcome),
         Action::Hold(after) => Step::Hold {
@@ -124,30 +117,25 @@ pub fn plan(
                 hop: Some(hop),
             }))
         }
-        Action::Park { reason, outcome } => {
-            let kind = match (outcome, decoded) {
-                (Outcome::GaveUp, _) => "database_unavailable",
-                (_, Err(_)) => "undecodable",
-                (_, Ok(_)) => "bad_deadline",
-            };
-            Step::Publish(Box::new(Publish {
-                message: parked_copy(names.parked(), delivery, &reason),
-                outcome,
-                reroute_after: None,
-                park: Some(kind),
-                hop: None,
-            }))
-        }
+        Action::Park {
+            reason,
+            outcome,
+            kind,
+        } => Step::Publish(Box::new(Publish {
+            message: parked_copy(names.parked(), delivery, &reason),
+            outcome,
+            reroute_after: None,
+            park: Some(kind),
+            hop: None,
+        })),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::{PARK_REASON_HEADER, Route, park_reason};
+    use crate::message::{PARK_REASON_HEADER, Route, TimeoutMessage, park_reason};
     use crate::tier::TierSet;
-
-    type Decoded = Result<TimeoutMessage, DecodeError>;
 
     fn tier(s: &str) -> Tier {
         Tier::parse(s).unwrap()
@@ -169,32 +157,32 @@ mod tests {
     fn each_action_becomes_its_step() {
         let names = Names::new("t");
         let delivery = Delivery::mock(0, "t.due".into(), "due".into(), false, b"{}".to_vec());
-        let ok = Ok(TimeoutMessage::new(7, chrono::Utc::now(), 1));
-        let bad: Result<TimeoutMessage, DecodeError> = Err(DecodeError::UnknownVersion(9));
         let none = Tiers::Missing(BTreeSet::new());
         let ten_missing = Tiers::Missing(BTreeSet::from([tier("10s")]));
         let five_missing = Tiers::Missing(BTreeSet::from([tier("5s")]));
-        let park = |outcome| Action::Park {
+        let park = |outcome, kind| Action::Park {
             reason: "why".into(),
             outcome,
+            kind,
         };
         let ms = Duration::from_millis;
         #[rustfmt::skip]
-        let table: Vec<(&str, Action, &Decoded, &Tiers, &str)> = vec![
-            ("settled",            Action::Ack(Outcome::Settled), &ok, &none, "ack settled"),
-            ("closed",             Action::Ack(Outcome::Closed),  &ok, &none, "ack closed"),
-            ("short remainder",    Action::Hold(ms(300)),         &ok, &none, "hold 300ms held"),
-            ("row locked",         Action::Locked(ms(500)),       &ok, &none, "hold 500ms locked"),
-            ("tier exists",        redelay(&names, "10s"),        &ok, &none, "publish t.delay/10s redelayed hop=10s"),
-            ("other tier missing", redelay(&names, "10s"),        &ok, &five_missing, "publish t.delay/10s redelayed hop=10s"),
-            ("tier missing",       redelay(&names, "10s"),        &ok, &ten_missing, "keep 50s missing=t.wait.10s"),
-            ("tier check failed",  redelay(&names, "10s"),        &ok, &Tiers::Unknown, "keep 50s missing=-"),
-            ("undecodable",        park(Outcome::Parked),         &bad, &none, "publish t.parked/ parked park=undecodable"),
-            ("bad deadline",       park(Outcome::Parked),         &ok, &none, "publish t.parked/ parked park=bad_deadline"),
-            ("gave up",            park(Outcome::GaveUp),         &ok, &Tiers::Unknown, "publish t.parked/ gave_up park=database_unavailable"),
+        let table: Vec<(&str, Action, &Tiers, &str)> = vec![
+            ("settled",            Action::Ack(Outcome::Settled), &none, "ack settled"),
+            ("closed",             Action::Ack(Outcome::Closed),  &none, "ack closed"),
+            ("short remainder",    Action::Hold(ms(300)),         &none, "hold 300ms held"),
+            ("row locked",         Action::Locked(ms(500)),       &none, "hold 500ms locked"),
+            ("tier exists",        redelay(&names, "10s"),        &none, "publish t.delay/10s redelayed hop=10s"),
+            ("other tier missing", redelay(&names, "10s"),        &five_missing, "publish t.delay/10s redelayed hop=10s"),
+            ("tier missing",       redelay(&names, "10s"),        &ten_missing, "keep 50s missing=t.wait.10s"),
+            ("tier check failed",  redelay(&names, "10s"),        &Tiers::Unknown, "keep 50s missing=-"),
+            ("undecodable",        park(Outcome::Parked, "undecodable"),  &none, "publish t.parked/ parked park=undecodable"),
+            ("bad deadline",       park(Outcome::Parked, "bad_deadline"), &none, "publish t.parked/ parked park=bad_deadline"),
+            ("unknown shard",      park(Outcome::Parked, "unknown_shard"), &none, "publish t.parked/ parked park=unknown_shard"),
+            ("gave up",            park(Outcome::GaveUp, "database_unavailable"), &Tiers::Unknown, "publish t.parked/ gave_up park=database_unavailable"),
         ];
-        for (case, action, decoded, tiers, expected) in table {
-            let step = plan(action, decoded, &delivery, &names, tiers);
+        for (case, action, tiers, expected) in table {
+            let step = plan(action, &delivery, &names, tiers);
             let shown = match &step {
                 Step::Ack(o) => format!("ack {}", o.as_str()),
                 Step::Hold { after, outcome } => format!("hold {after:?} {}", outcome.as_str()),

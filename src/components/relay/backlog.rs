@@ -30,14 +30,21 @@ pub async fn sample(pool: &Pool) -> Result<(i64, f64), crate::db::DbError> {
 }
 
 /// Samples until `token` is cancelled; a failed sample leaves the last values and is
-/// logged at debug level (the relay's own errors say more).
-pub async fn run(pool: Pool, token: CancellationToken) {
+/// logged at debug level (the relay's own errors say more). With shards, `shard` is the
+/// gauges' `shard` label.
+pub async fn run(pool: Pool, shard: Option<String>, token: CancellationToken) {
     loop {
         match sample(&pool).await {
-            Ok((rows, oldest)) => {
-                metrics::gauge!(m::OUTBOX_ROWS).set(rows as f64);
-                metrics::gauge!(m::OUTBOX_OLDEST_AGE).set(oldest);
-            }
+            Ok((rows, oldest)) => match &shard {
+                Some(shard) => {
+                    metrics::gauge!(m::OUTBOX_ROWS, "shard" => shard.clone()).set(rows as f64);
+                    metrics::gauge!(m::OUTBOX_OLDEST_AGE, "shard" => shard.clone()).set(oldest);
+                }
+                None => {
+                    metrics::gauge!(m::OUTBOX_ROWS).set(rows as f64);
+                    metrics::gauge!(m::OUTBOX_OLDEST_AGE).set(oldest);
+                }
+            },
             Err(e) => tracing::debug!(error = %e, "relay: cannot sample the outbox backlog"),
         }
         tokio::select! {

@@ -126,6 +126,18 @@ impl Relay {
             attempts,
         } = row;
         if kind == "stock.release" {
+            // The event names its shard the way a timeout does: not at all for shard 0.
+            let (payload, message_id) = match (self.shard, payload) {
+                (0, payload) => (payload, format!("release-{order_id}")),
+                (shard, Value::Object(mut fields)) => {
+                    fields.insert("shard".into(), json!(shard));
+                    (
+                        Value::Object(fields),
+                        format!("s{shard}-release-{order_id}"),
+                    )
+                }
+                (shard, other) => (other, format!("s{shard}-release-{order_id}")),
+            };
             return RowPublish {
                 outbox_id,
                 message: Outgoing::new(
@@ -135,7 +147,7 @@ impl Relay {
                     BasicProperties::default()
                         .with_delivery_mode(2)
                         .with_content_type(ShortString::from("application/json"))
-                        .with_message_id(ShortString::from(format!("release-{order_id}"))),
+                        .with_message_id(ShortString::from(message_id)),
                 ),
                 hop: None,
                 attempts,
@@ -158,7 +170,9 @@ impl Relay {
         };
         fields.insert("v".into(), json!(crate::message::MESSAGE_VERSION));
         match serde_json::from_value::<TimeoutMessage>(Value::Object(fields)) {
-            Ok(mut message) => {
+            Ok(message) => {
+                // The application's payload does not know its shard; this relay does.
+                let mut message = message.in_shard(self.shard);
                 let remaining = message.remaining(db_now);
                 let slack = self.slack(lag);
                 let route =

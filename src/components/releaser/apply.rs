@@ -36,11 +36,15 @@ restocked AS (
 SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked";
 
 impl Releaser {
-    /// Applies the releases of these orders, except those whose row another
+    /// Applies the releases of these orders of `shard`, except those whose row another
     /// transaction holds (returned as `held`, nothing done for them).
     // Over 60 lines on purpose: one transaction whose lock order (order rows, then stock in SKU order) must be visible in one place.
-    pub async fn release(&self, order_ids: &[i64]) -> Result<ReleaseOutcome, DbError> {
-        let mut client = self.pool.get().await?;
+    pub async fn release(&self, shard: u16, order_ids: &[i64]) -> Result<ReleaseOutcome, DbError> {
+        let pool = self
+            .pools
+            .get(shard)
+            .ok_or_else(|| DbError::Config(format!("no database for shard {shard}")))?;
+        let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         // Order rows first, without waiting for one another transaction holds.
         let rows = tx

@@ -26,16 +26,18 @@
 //! parked only then.
 
 mod apply;
+mod round;
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use lapin::message::Delivery;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::batch::{BatchHandler, ConsumerSession, Consuming, ack, consume};
+use crate::amqp::batch::{BatchHandler, ConsumerSession, Consuming, consume};
 use crate::amqp::broker::{BrokerError, Endpoint};
+use crate::db::Pools;
 use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::health::{Busy, Health};
@@ -44,10 +46,14 @@ use crate::runtime::supervisor::Fatal;
 use crate::names::Names;
 
 pub use apply::ReleaseOutcome;
+use round::hold_away;
 
 #[derive(Deserialize)]
 struct ReleaseEvent {
     order_id: i64,
+    /// The order's database; absent (0) without shards.
+    #[serde(default)]
+    shard: u16,
 }
 
 /// Tries of one release that fails with a permanent (non-transient) error before it
@@ -62,18 +68,8 @@ pub const SYSTEMIC_ROUNDS: u32 = 60;
 struct Pending {
     delivery: Delivery,
     order_id: i64,
+    shard: u16,
     failures: u32,
-}
-
-/// What is left of a batch after one round of tries.
-#[derive(Default)]
-struct Round {
-    /// Single events that failed with a permanent error, with the error.
-    failed: Vec<(Pending, String)>,
-    /// Events whose order row another transaction held.
-    held: Vec<Pending>,
-    /// True when at least one release transaction committed.
-    succeeded: bool,
 }
 
 /// True when the permanent failures look systemic rather than bad data: two or more
@@ -90,7 +86,8 @@ fn systemic<T>(failed: &[(T, String)], succeeded: bool) -> bool {
 
 #[derive(Clone)]
 pub struct Releaser {
-    pub pool: Pool,
+    /// One pool per order database; an event's `shard` chooses.
+    pub pools: Pools,
     pub names: Names,
     pub stats: Stats,
     pub prefetch: u16,
@@ -130,7 +127,11 @@ impl Releaser {
             batch_size: self.batch_size,
             batch_window: self.batch_window,
         };
-        consume(&how, health, token, &mut &*self).await
+        let mut batches = Batches {
+            releaser: self,
+            away: HashMap::new(),
+        };
+        consume(&how, health, token, &mut batches).await
     }
 
     /// Releases one batch. Undecodable events are parked at once. A transient
@@ -143,19 +144,36 @@ impl Releaser {
     /// unless every event of the batch failed identically (see [`systemic`]): then
     /// the batch is held and retried up to [`SYSTEMIC_ROUNDS`] times first.
     // Over 60 lines on purpose: the retry state machine of one batch (split, systemic, permanent), documented above.
+    ///
+    /// With several shards each shard's events are released in their own
+    /// transaction; the events of a shard whose database is away are held
+    /// unacknowledged and tried again after that shard's back-off (`away`), while the
+    /// other shards' events are released.
     async fn process(
         &self,
         batch: Vec<Delivery>,
         session: &mut ConsumerSession,
         token: &CancellationToken,
         busy: &Busy,
+        away: &mut HashMap<u16, Backoff>,
     ) -> Result<(), BrokerError> {
-        let mut good = Vec::new();
+        let mut by_shard: BTreeMap<u16, Vec<Pending>> = BTreeMap::new();
         for delivery in batch {
             match serde_json::from_slice::<ReleaseEvent>(&delivery.data) {
-                Ok(event) => good.push(Pending {
+                Ok(event) if self.pools.get(event.shard).is_none() => {
+                    let reason = format!(
+                        "the event names shard {}, but this worker has {} order database(s) \
+                         (database.shards)",
+                        event.shard,
+                        self.pools.len()
+                    );
+                    self.park(session, &delivery, &reason, "unknown_shard")
+                        .await?;
+                }
+                Ok(event) => by_shard.entry(event.shard).or_default().push(Pending {
                     delivery,
                     order_id: event.order_id,
+                    shard: event.shard,
                     failures: 0,
                 }),
                 Err(e) => {
@@ -165,7 +183,7 @@ impl Releaser {
                 }
             }
         }
-        let mut work = vec![good];
+        let mut work: Vec<Vec<Pending>> = by_shard.into_values().collect();
         let mut backoff = Backoff::new();
         let mut systemic_rounds = 0;
         loop {
@@ -173,6 +191,10 @@ impl Releaser {
             if token.is_cancelled() {
                 return Ok(());
             }
+            for shard in &round.released {
+                away.remove(shard);
+            }
+            hold_away(round.away, session, away);
             if round.failed.is_empty() && round.held.is_empty() {
                 return Ok(());
             }
@@ -227,79 +249,6 @@ impl Releaser {
         }
     }
 
-    /// Tries `work` once: releases what it can (acknowledging those deliveries),
-    /// splits chunks that fail permanently down to single events, retries transient
-    /// errors with back-off. Returns what is left.
-    // Over 60 lines on purpose: one try of each chunk with its three answers (released, transient, permanent), each with its counters.
-    async fn round(
-        &self,
-        mut work: Vec<Vec<Pending>>,
-        token: &CancellationToken,
-        busy: &Busy,
-        backoff: &mut Backoff,
-    ) -> Result<Round, BrokerError> {
-        let mut round = Round::default();
-        while let Some(mut chunk) = work.pop() {
-            if chunk.is_empty() {
-                continue;
-            }
-            let ids: Vec<i64> = chunk.iter().map(|p| p.order_id).collect();
-            match self.release(&ids).await {
-                Ok(outcome) => {
-                    backoff.reset();
-                    round.succeeded = true;
-                    self.stats.by("releaser").record(
-                        Outcome::Released,
-                        u64::try_from(outcome.applied).unwrap_or(0),
-                    );
-                    for p in chunk {
-                        if outcome.held.contains(&p.order_id) {
-                            round.held.push(p);
-                        } else {
-                            ack(&p.delivery).await?;
-                        }
-                    }
-                    if !outcome.held.is_empty() {
-                        tracing::debug!(orders = ?outcome.held,
-                            "releaser: order rows locked by another transaction; holding them back");
-                        self.stats.by("releaser").record(
-                            Outcome::Locked,
-                            u64::try_from(outcome.held.len()).unwrap_or(0),
-                        );
-                    }
-                }
-                Err(e) if e.is_transient() => {
-                    tracing::warn!(error = %e.detail(), held = chunk.len(),
-                        "releaser: database unavailable; holding the deliveries and retrying");
-                    self.stats.by("releaser").record(
-                        Outcome::ReleaseRetried,
-                        u64::try_from(chunk.len()).unwrap_or(0),
-                    );
-                    // Waiting out an outage is not a stall.
-                    busy.idle_while(backoff.sleep(token)).await;
-                    if token.is_cancelled() {
-                        return Ok(round);
-                    }
-                    work.push(chunk);
-                }
-                Err(e) if chunk.len() > 1 => {
-                    // Narrow down to the events that fail; the others go through.
-                    tracing::debug!(error = %e.detail(), size = chunk.len(),
-                        "releaser: permanent error; splitting the batch");
-                    let right = chunk.split_off(chunk.len() / 2);
-                    work.push(right);
-                    work.push(chunk);
-                }
-                Err(e) => {
-                    if let Some(one) = chunk.pop() {
-                        round.failed.push((one, e.detail()));
-                    }
-                }
-            }
-        }
-        Ok(round)
-    }
-
     async fn park(
         &self,
         session: &mut ConsumerSession,
@@ -316,8 +265,15 @@ impl Releaser {
     }
 }
 
+/// The releaser's side of a session: the back-off of each shard whose database was
+/// away, for the session's lifetime.
+struct Batches<'a> {
+    releaser: &'a Releaser,
+    away: HashMap<u16, Backoff>,
+}
+
 /// The releaser handles each batch of the shared session loop.
-impl BatchHandler for &Releaser {
+impl BatchHandler for Batches<'_> {
     async fn handle(
         &mut self,
         batch: Vec<Delivery>,
@@ -325,7 +281,9 @@ impl BatchHandler for &Releaser {
         token: &CancellationToken,
         busy: &Busy,
     ) -> Result<(), BrokerError> {
-        self.process(batch, session, token, busy).await
+        self.releaser
+            .process(batch, session, token, busy, &mut self.away)
+            .await
     }
 }
 

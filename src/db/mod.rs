@@ -13,6 +13,9 @@ use crate::config::{DatabaseConfig, Secret};
 
 refinery::embed_migrations!("migrations");
 
+mod shards;
+pub use shards::{Pools, migrate_shards};
+
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
 const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
 

@@ -1,0 +1,139 @@
+//! One round of tries over a batch's work: release what commits, split what fails
+//! permanently, hold back locked rows, and with several shards set aside the chunks of
+//! a shard whose database is away (held, then tried again in a later batch).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{Pending, Releaser};
+use crate::amqp::batch::{ConsumerSession, ack};
+use crate::amqp::broker::BrokerError;
+use crate::observe::stats::Outcome;
+use crate::runtime::backoff::Backoff;
+use crate::runtime::health::Busy;
+
+/// What is left of a batch after one round of tries.
+#[derive(Default)]
+pub(super) struct Round {
+    /// Single events that failed with a permanent error, with the error.
+    pub failed: Vec<(Pending, String)>,
+    /// Events whose order row another transaction held.
+    pub held: Vec<Pending>,
+    /// True when at least one release transaction committed.
+    pub succeeded: bool,
+    /// With several shards: chunks whose database was away, to hold and try again
+    /// in a later batch (so that the other shards' releases go on meanwhile).
+    pub away: Vec<Vec<Pending>>,
+    /// Shards with a release transaction that committed.
+    pub released: Vec<u16>,
+}
+
+/// Holds the deliveries of shards whose database was away, each shard after its own
+/// back-off (100 ms doubling to 5 s, reset once one of its releases commits); they
+/// come back with a later batch.
+pub(super) fn hold_away(
+    chunks: Vec<Vec<Pending>>,
+    session: &mut ConsumerSession,
+    away: &mut HashMap<u16, Backoff>,
+) {
+    let mut delays: HashMap<u16, Duration> = HashMap::new();
+    for chunk in chunks {
+        for p in chunk {
+            let delay = *delays
+                .entry(p.shard)
+                .or_insert_with(|| away.entry(p.shard).or_default().next_delay());
+            session
+                .source
+                .hold(p.delivery, tokio::time::Instant::now() + delay);
+        }
+    }
+}
+
+impl Releaser {
+    /// Tries `work` once: releases what it can (acknowledging those deliveries),
+    /// splits chunks that fail permanently down to single events, retries transient
+    /// errors with back-off. Returns what is left.
+    // Over 60 lines on purpose: one try of each chunk with its three answers (released, transient, permanent), each with its counters.
+    pub(super) async fn round(
+        &self,
+        mut work: Vec<Vec<Pending>>,
+        token: &CancellationToken,
+        busy: &Busy,
+        backoff: &mut Backoff,
+    ) -> Result<Round, BrokerError> {
+        let mut round = Round::default();
+        while let Some(mut chunk) = work.pop() {
+            if chunk.is_empty() {
+                continue;
+            }
+            let ids: Vec<i64> = chunk.iter().map(|p| p.order_id).collect();
+            // Every chunk holds one shard's events (a batch is split by shard first).
+            let shard = chunk.first().map_or(0, |p| p.shard);
+            match self.release(shard, &ids).await {
+                Ok(outcome) => {
+                    backoff.reset();
+                    round.succeeded = true;
+                    round.released.push(shard);
+                    self.stats.by("releaser").record(
+                        Outcome::Released,
+                        u64::try_from(outcome.applied).unwrap_or(0),
+                    );
+                    for p in chunk {
+                        if outcome.held.contains(&p.order_id) {
+                            round.held.push(p);
+                        } else {
+                            ack(&p.delivery).await?;
+                        }
+                    }
+                    if !outcome.held.is_empty() {
+                        tracing::debug!(orders = ?outcome.held,
+                            "releaser: order rows locked by another transaction; holding them back");
+                        self.stats.by("releaser").record(
+                            Outcome::Locked,
+                            u64::try_from(outcome.held.len()).unwrap_or(0),
+                        );
+                    }
+                }
+                Err(e) if e.is_transient() && self.pools.len() > 1 => {
+                    tracing::warn!(error = %e.detail(), held = chunk.len(), shard,
+                        "releaser: shard database unavailable; holding its deliveries, releasing the other shards'");
+                    self.stats.by("releaser").record(
+                        Outcome::ReleaseRetried,
+                        u64::try_from(chunk.len()).unwrap_or(0),
+                    );
+                    round.away.push(chunk);
+                }
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e.detail(), held = chunk.len(),
+                        "releaser: database unavailable; holding the deliveries and retrying");
+                    self.stats.by("releaser").record(
+                        Outcome::ReleaseRetried,
+                        u64::try_from(chunk.len()).unwrap_or(0),
+                    );
+                    // Waiting out an outage is not a stall.
+                    busy.idle_while(backoff.sleep(token)).await;
+                    if token.is_cancelled() {
+                        return Ok(round);
+                    }
+                    work.push(chunk);
+                }
+                Err(e) if chunk.len() > 1 => {
+                    // Narrow down to the events that fail; the others go through.
+                    tracing::debug!(error = %e.detail(), size = chunk.len(),
+                        "releaser: permanent error; splitting the batch");
+                    let right = chunk.split_off(chunk.len() / 2);
+                    work.push(right);
+                    work.push(chunk);
+                }
+                Err(e) => {
+                    if let Some(one) = chunk.pop() {
+                        round.failed.push((one, e.detail()));
+                    }
+                }
+            }
+        }
+        Ok(round)
+    }
+}

@@ -1,0 +1,92 @@
+//! The text `lapse status` prints: queues, orders, closes, releases, and with
+//! shards one line per shard.
+
+use std::time::Duration;
+
+use super::Status;
+
+impl Status {
+    pub fn render(&self) -> String {
+        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
+        let mut out = String::new();
+        for q in &self.queues {
+            if q.consumers == Some(0) && matches!(q.role.as_str(), "due" | "stock release") {
+                out.push_str(&format!(
+                    "NO CONSUMER on {} ({}): no worker is running for this prefix\n",
+                    q.queue, q.role
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "QUEUES\n  {:<40} {:<14} {:>9} {:>9}\n",
+            "name", "role", "messages", "consumers"
+        ));
+        for q in &self.queues {
+            let depth = q.messages.map_or("MISSING".to_string(), |n| n.to_string());
+            let consumers = q.consumers.map_or("-".to_string(), |n| n.to_string());
+            out.push_str(&format!(
+                "  {:<40} {:<14} {depth:>9} {consumers:>9}\n",
+                q.queue, q.role
+            ));
+        }
+        out.push_str(&format!(
+            "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
+            self.overdue_unpaid,
+            ms(self.oldest_overdue_ms),
+            self.outbox_rows,
+            ms(self.oldest_outbox_ms),
+            self.outbox_retrying,
+        ));
+        if self.unreadable_deadlines > 0 {
+            out.push_str(&format!(
+                "  UNREADABLE         {} UNPAID orders with a deadline lapse cannot handle (docs/operations.md)\n",
+                self.unreadable_deadlines
+            ));
+        }
+        out.push_str(&format!(
+            "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
+            self.recent_window_minutes,
+            self.recent_closes,
+            self.recent_sweeper_closes,
+            self.recent_release_repairs,
+            self.release_repairs_total,
+            ms(self.lateness_p50_ms),
+            ms(self.lateness_p99_ms),
+            ms(self.lateness_max_ms),
+        ));
+        out.push_str(&format!(
+            "RELEASES\n  missing            {} closed more than {} ago without a stock release (oldest {}, {} given up by the reconciler)\n",
+            self.releases_missing,
+            humantime::format_duration(Duration::from_millis(self.release_grace_ms)),
+            ms(self.oldest_missing_release_ms),
+            self.releases_exhausted,
+        ));
+        if !self.shards.is_empty() {
+            out.push_str(&format!(
+                "SHARDS\n  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
+                "shard",
+                "overdue",
+                "oldest",
+                "outbox",
+                "oldest",
+                "closed",
+                "missing",
+                "lateness p99"
+            ));
+            for s in &self.shards {
+                out.push_str(&format!(
+                    "  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
+                    s.shard,
+                    s.overdue_unpaid,
+                    ms(s.oldest_overdue_ms),
+                    s.outbox_rows,
+                    ms(s.oldest_outbox_ms),
+                    s.recent_closes,
+                    s.releases_missing,
+                    ms(s.lateness_p99_ms),
+                ));
+            }
+        }
+        out
+    }
+}
