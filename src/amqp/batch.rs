@@ -261,6 +261,25 @@ pub(crate) trait BatchHandler {
     ) -> Result<(), BrokerError>;
 }
 
+/// How a component takes deliveries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    pub prefetch: u16,
+    pub batch_size: usize,
+    pub batch_window: Duration,
+}
+
+impl Batching {
+    /// From `[worker]`; a batch is never larger than the prefetch.
+    pub fn from_config(w: &crate::config::WorkerConfig) -> Self {
+        Self {
+            prefetch: w.prefetch,
+            batch_size: w.batch_size.min(usize::from(w.prefetch)),
+            batch_window: w.batch_window,
+        }
+    }
+}
+
 /// Where and how a component consumes.
 pub struct Consuming<'a> {
     pub endpoint: &'a Endpoint,
@@ -270,9 +289,28 @@ pub struct Consuming<'a> {
     /// The component's name on `/health`.
     pub component: &'static str,
     pub queue: String,
-    pub prefetch: u16,
-    pub batch_size: usize,
-    pub batch_window: Duration,
+    pub batching: Batching,
+}
+
+/// Consumes as `how` says until `token` is cancelled, reconnecting with back-off
+/// ([`crate::runtime::backoff::reconnecting`]); each session gets a fresh handler
+/// from `handler`. The whole `run` of the consumer and of the releaser.
+pub(crate) async fn consume_reconnecting<H, F>(
+    how: Consuming<'_>,
+    health: &Health,
+    token: &CancellationToken,
+    mut handler: F,
+) -> Result<(), crate::runtime::supervisor::Fatal>
+where
+    H: BatchHandler,
+    F: FnMut() -> H,
+{
+    let how = &how;
+    crate::runtime::backoff::reconnecting(how.component, health, token, || {
+        let mut batches = handler();
+        async move { consume(how, health, token, &mut batches).await }
+    })
+    .await
 }
 
 /// One consuming session: opens it, hands each batch to `handler` until `token` is
@@ -291,13 +329,13 @@ pub(crate) async fn consume<H: BatchHandler>(
         how.component,
         health,
         &how.queue,
-        how.prefetch,
+        how.batching.prefetch,
     )
     .await?;
     let result = loop {
         let batch = match session
             .source
-            .next(how.batch_size, how.batch_window, token)
+            .next(how.batching.batch_size, how.batching.batch_window, token)
             .await
         {
             Ok(Some(batch)) => batch,

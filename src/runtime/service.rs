@@ -171,9 +171,7 @@ impl Starter<'_> {
                 pools: pools()?,
                 names: config.names(),
                 stats: stats.clone(),
-                prefetch: w.prefetch,
-                batch_size: w.batch_size.min(usize::from(w.prefetch)),
-                batch_window: w.batch_window,
+                batching: crate::amqp::batch::Batching::from_config(w),
             };
             self.add("releaser", move |b, h, t| releaser.clone().run(b, h, t));
         }

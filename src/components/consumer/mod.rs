@@ -28,12 +28,13 @@ use kept::Kept;
 pub use plan::{Publish, Step, Tiers, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use lapin::message::Delivery;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::batch::{BatchHandler, BatchSource, ConsumerSession, Consuming, consume};
+use crate::amqp::batch::{
+    BatchHandler, BatchSource, Batching, ConsumerSession, Consuming, consume_reconnecting,
+};
 use crate::amqp::broker::{BrokerError, Endpoint};
 use crate::amqp::publishing::PublishingConnection;
 use crate::amqp::tier_check::TierCheck;
@@ -53,9 +54,7 @@ pub struct Consumer {
     pub decider: Decider,
     pub names: Names,
     pub stats: Stats,
-    pub prefetch: u16,
-    pub batch_size: usize,
-    pub batch_window: Duration,
+    pub batching: Batching,
     pub limiter: RateLimiter,
     pub tier_check: TierCheck,
 }
@@ -135,51 +134,35 @@ impl Consumer {
             },
             names,
             stats,
-            prefetch: w.prefetch,
-            batch_size: w.batch_size.min(usize::from(w.prefetch)),
-            batch_window: w.batch_window,
+            batching: Batching::from_config(w),
             limiter,
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
         }
     }
 
-    /// Consumes until `token` is cancelled, reconnecting with back-off.
+    /// Consumes the due queue until `token` is cancelled, reconnecting with back-off
+    /// (the session loop shared with the releaser, [`consume_reconnecting`]). Opening
+    /// a session and each batch are units of work for the liveness check; waiting for
+    /// deliveries and rate limiting are not.
     pub async fn run(
         self,
         broker: Endpoint,
         health: Health,
         token: CancellationToken,
     ) -> Result<(), Fatal> {
-        crate::runtime::backoff::reconnecting("consumer", &health, &token, || {
-            self.session(&broker, &health, &token)
-        })
-        .await
-    }
-
-    /// One broker session (the loop shared with the releaser, [`consume`]). Opening
-    /// it and each batch are units of work for the liveness check; waiting for
-    /// deliveries and rate limiting are not.
-    async fn session(
-        &self,
-        broker: &Endpoint,
-        health: &Health,
-        token: &CancellationToken,
-    ) -> Result<(), BrokerError> {
         let how = Consuming {
-            endpoint: broker,
+            endpoint: &broker,
             role: "worker",
             prefix: &self.names.prefix,
             component: "consumer",
             queue: self.names.due_queue(),
-            prefetch: self.prefetch,
-            batch_size: self.batch_size,
-            batch_window: self.batch_window,
+            batching: self.batching,
         };
-        let mut batches = Batches {
-            consumer: self,
+        consume_reconnecting(how, &health, &token, || Batches {
+            consumer: &self,
             retry: Backoff::new(),
-        };
-        consume(&how, health, token, &mut batches).await
+        })
+        .await
     }
 
     /// Decides and carries out one batch: the decision (database read and close, then

@@ -29,13 +29,14 @@ mod apply;
 mod round;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use lapin::message::Delivery;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::batch::{BatchHandler, ConsumerSession, Consuming, consume};
+use crate::amqp::batch::{
+    BatchHandler, Batching, ConsumerSession, Consuming, consume_reconnecting,
+};
 use crate::amqp::broker::{BrokerError, Endpoint};
 use crate::db::Pools;
 use crate::observe::stats::{Outcome, Stats};
@@ -90,48 +91,32 @@ pub struct Releaser {
     pub pools: Pools,
     pub names: Names,
     pub stats: Stats,
-    pub prefetch: u16,
-    pub batch_size: usize,
-    pub batch_window: Duration,
+    pub batching: Batching,
 }
 
 impl Releaser {
-    /// Consumes until `token` is cancelled, reconnecting with back-off.
+    /// Consumes the stock-release queue until `token` is cancelled, reconnecting with
+    /// back-off: the consumer's session loop ([`consume_reconnecting`]) with this
+    /// releaser handling each batch.
     pub async fn run(
         self,
         broker: Endpoint,
         health: Health,
         token: CancellationToken,
     ) -> Result<(), Fatal> {
-        crate::runtime::backoff::reconnecting("releaser", &health, &token, || {
-            self.session(&broker, &health, &token)
-        })
-        .await
-    }
-
-    /// One broker session: the consumer's session loop ([`consume`]) with this
-    /// releaser handling each batch.
-    async fn session(
-        &self,
-        broker: &Endpoint,
-        health: &Health,
-        token: &CancellationToken,
-    ) -> Result<(), BrokerError> {
         let how = Consuming {
-            endpoint: broker,
+            endpoint: &broker,
             role: "releaser",
             prefix: &self.names.prefix,
             component: "releaser",
             queue: self.names.stock_release_queue(),
-            prefetch: self.prefetch,
-            batch_size: self.batch_size,
-            batch_window: self.batch_window,
+            batching: self.batching,
         };
-        let mut batches = Batches {
-            releaser: self,
+        consume_reconnecting(how, &health, &token, || Batches {
+            releaser: &self,
             away: HashMap::new(),
-        };
-        consume(&how, health, token, &mut batches).await
+        })
+        .await
     }
 
     /// Releases one batch. Undecodable events are parked at once. A transient
