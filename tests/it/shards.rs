@@ -397,3 +397,92 @@ async fn migrate_reports_each_shard_and_fails_naming_the_one_it_cannot_reach() {
     drop(shard0);
     env.cleanup().await;
 }
+
+/// Shard 0 and shard 1 each hold a closed order (ids collide: both are order 1). Their
+/// release events arrive in one batch while an application holds both rows; once the
+/// locks go, each shard must get its own release.
+#[tokio::test]
+async fn held_release_events_of_two_shards_are_each_released_in_their_own_shard() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let extra = Databases::new(&["s1"]);
+    let url0 = env.database_url();
+    let url1 = extra.urls()[0].clone();
+    lapse::db::migrate(&Secret::new(url1.clone()))
+        .await
+        .unwrap();
+    let mut config = env.config();
+    config.database.shards = Some(vec![Secret::new(url0.clone()), Secret::new(url1.clone())]);
+    config.worker.releaser = false;
+    let lines = [Line {
+        sku: "a".into(),
+        qty: 1,
+    }];
+    let mut db0 = connect(&url0).await;
+    let mut db1 = connect(&url1).await;
+    let id0 = create_orders(&mut db0, &[Duration::from_millis(300)], &lines).await[0].0;
+    let id1 = create_orders(&mut db1, &[Duration::from_millis(300)], &lines).await[0].0;
+
+    let closer = env.start(&config).await;
+    let release_q = env.names().stock_release_queue();
+    eventually(
+        Duration::from_secs(30),
+        "both closed, both events queued",
+        || async {
+            let c0 = count(&db0, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            let c1 = count(&db1, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            let q = crate::queues::depth(&env.conn, &release_q)
+                .await
+                .unwrap_or(0);
+            (c0 == 1 && c1 == 1 && q == 2).then_some(())
+        },
+    )
+    .await;
+    closer.stop().await;
+
+    // An application holds both closed orders' rows (a late payment inside a transaction).
+    let app0 = connect(&url0).await;
+    let app1 = connect(&url1).await;
+    app0.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM orders WHERE id = {id0} FOR UPDATE"
+    ))
+    .await
+    .unwrap();
+    app1.batch_execute(&format!(
+        "BEGIN; SELECT 1 FROM orders WHERE id = {id1} FOR UPDATE"
+    ))
+    .await
+    .unwrap();
+
+    let mut releaser_only = config.clone();
+    releaser_only.worker.consumer = false;
+    releaser_only.worker.relay = false;
+    releaser_only.worker.releaser = true;
+    let releaser = env.start(&releaser_only).await;
+    eventually(Duration::from_secs(30), "both events held", || async {
+        (releaser.stats.get(Outcome::Locked) >= 2).then_some(())
+    })
+    .await;
+    app0.batch_execute("COMMIT").await.unwrap();
+    app1.batch_execute("COMMIT").await.unwrap();
+
+    const RELEASED: &str = "SELECT count(*) FROM stock_ledger WHERE kind = 'release'";
+    eventually(Duration::from_secs(30), "both releases", || async {
+        let (r0, r1) = (count(&db0, RELEASED).await, count(&db1, RELEASED).await);
+        (r0 + r1 >= 2).then_some(())
+    })
+    .await;
+    // Room for a wrong third release to show.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (r0, r1) = (count(&db0, RELEASED).await, count(&db1, RELEASED).await);
+    let q = crate::queues::depth(&env.conn, &release_q).await;
+    releaser.stop().await;
+    db1.batch_execute("SELECT 1").await.unwrap();
+    drop(db1);
+    drop(app1);
+    env.cleanup().await;
+    assert_eq!(r0, 1, "shard 0's order released once");
+    assert_eq!(
+        r1, 1,
+        "shard 1's order released (its event was acknowledged: queue {q:?})"
+    );
+}

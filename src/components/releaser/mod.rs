@@ -169,6 +169,9 @@ impl Releaser {
             }
         }
         let mut work: Vec<Vec<Pending>> = by_shard.into_values().collect();
+        // Every chunk rebuilt below is regrouped by shard: a chunk is released in the
+        // database of its first event, so events of two shards must never share one
+        // (order ids repeat across shards).
         let mut backoff = Backoff::new();
         let mut systemic_rounds = 0;
         loop {
@@ -203,14 +206,13 @@ impl Releaser {
                     self.stats
                         .by("releaser")
                         .record(Outcome::ReleaseRetried, u64::try_from(count).unwrap_or(0));
-                    work = vec![failed.into_iter().map(|(p, _)| p).collect()];
-                    work.push(round.held);
+                    work = group_by_shard(failed.into_iter().map(|(p, _)| p).chain(round.held));
                     busy.idle_while(backoff.sleep(token)).await;
                     continue;
                 }
                 failed = Vec::new();
             }
-            work = vec![round.held];
+            work = group_by_shard(round.held);
             for (mut one, error) in failed {
                 one.failures += 1;
                 if one.failures < PERMANENT_ATTEMPTS {
@@ -248,6 +250,15 @@ impl Releaser {
         stats.parked(kind);
         Ok(())
     }
+}
+
+/// Events grouped into one chunk per shard (see `Releaser::handle`).
+fn group_by_shard(events: impl IntoIterator<Item = Pending>) -> Vec<Vec<Pending>> {
+    let mut by_shard: std::collections::BTreeMap<u16, Vec<Pending>> = Default::default();
+    for one in events {
+        by_shard.entry(one.shard).or_default().push(one);
+    }
+    by_shard.into_values().collect()
 }
 
 /// The releaser's side of a session: the back-off of each shard whose database was

@@ -68,9 +68,14 @@ impl Releaser {
             if chunk.is_empty() {
                 continue;
             }
+            // A chunk is released in one shard's database: one holding events of
+            // several shards (order ids repeat across shards) is split first.
+            let shard = chunk[0].shard;
+            if chunk.iter().any(|p| p.shard != shard) {
+                work.extend(super::group_by_shard(chunk));
+                continue;
+            }
             let ids: Vec<i64> = chunk.iter().map(|p| p.order_id).collect();
-            // Every chunk holds one shard's events (a batch is split by shard first).
-            let shard = chunk.first().map_or(0, |p| p.shard);
             match self.release(shard, &ids).await {
                 Ok(outcome) => {
                     backoff.reset();
