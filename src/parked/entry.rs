@@ -52,6 +52,8 @@ pub struct Entry {
     pub id: String,
     pub kind: Kind,
     pub order_id: Option<i64>,
+    /// The order database (`database.shards` index) a timeout or release belongs to.
+    pub shard: u16,
     pub deadline: Option<DateTime<Utc>>,
     pub deadline_version: Option<i32>,
     /// A timeout's database retries; otherwise the returns counted by lapse and the broker.
@@ -78,13 +80,22 @@ impl Entry {
         } else {
             None
         };
-        let (id, kind) = match (&timeout, release) {
+        // Ids name the shard like message ids do (order ids repeat across shards).
+        let (id, kind, shard) = match (&timeout, release) {
             (Some(m), _) => (
-                format!("timeout-{}-v{}", m.order_id, m.deadline_version),
+                sharded(
+                    m.shard,
+                    format!("timeout-{}-v{}", m.order_id, m.deadline_version),
+                ),
                 Kind::Timeout,
+                m.shard,
             ),
-            (None, Some(order)) => (format!("release-{order}"), Kind::Release),
-            (None, None) => (format!("raw-{:016x}", fnv1a(body)), Kind::Unreadable),
+            (None, Some((order, shard))) => (
+                sharded(shard, format!("release-{order}")),
+                Kind::Release,
+                shard,
+            ),
+            (None, None) => (format!("raw-{:016x}", fnv1a(body)), Kind::Unreadable, 0),
         };
         let exchange = delivery.exchange.to_string();
         let routing_key = delivery.routing_key.to_string();
@@ -117,7 +128,11 @@ impl Entry {
         Self {
             id,
             kind,
-            order_id: timeout.as_ref().map(|m| m.order_id).or(release),
+            order_id: timeout
+                .as_ref()
+                .map(|m| m.order_id)
+                .or(release.map(|(order, _)| order)),
+            shard,
             deadline: timeout.as_ref().map(|m| m.expire_at),
             deadline_version: timeout.as_ref().map(|m| m.deadline_version),
             attempts: timeout
@@ -142,13 +157,28 @@ impl Entry {
 /// close writes it, or any body with an integer `order_id` published as `release-N`.
 /// Anything else (say, an outbox row the relay parked as "not a timeout intent") is not
 /// a release, so replay never turns it into one.
-fn release_order(body: &[u8], message_id: Option<&str>) -> Option<i64> {
+/// `s<k>-<id>` for shard `k` > 0, `<id>` for shard 0.
+pub fn sharded(shard: u16, id: String) -> String {
+    match shard {
+        0 => id,
+        k => format!("s{k}-{id}"),
+    }
+}
+
+/// A stock-release event's order and shard (0 when the body names none; a shard that
+/// is not a small integer makes it unreadable rather than shard 0).
+fn release_order(body: &[u8], message_id: Option<&str>) -> Option<(i64, u16)> {
     let Value::Object(fields) = serde_json::from_slice::<Value>(body).ok()? else {
         return None;
     };
     let order = fields.get("order_id")?.as_i64()?;
-    let named = message_id == Some(format!("release-{order}").as_str());
-    ((fields.contains_key("lines") || named) && !fields.contains_key("expire_at")).then_some(order)
+    let shard = match fields.get("shard") {
+        None => 0,
+        Some(v) => u16::try_from(v.as_u64()?).ok()?,
+    };
+    let named = message_id == Some(sharded(shard, format!("release-{order}")).as_str());
+    ((fields.contains_key("lines") || named) && !fields.contains_key("expire_at"))
+        .then_some((order, shard))
 }
 
 /// 64-bit FNV-1a: stable across runs and versions (unlike the std hasher).
@@ -260,11 +290,24 @@ mod tests {
     fn ids_are_stable_and_distinguish_kinds() {
         assert_eq!(
             release_order(br#"{"order_id": 7, "lines": []}"#, None),
-            Some(7)
+            Some((7, 0))
         );
         assert_eq!(
             release_order(br#"{"order_id": 7}"#, Some("release-7")),
-            Some(7)
+            Some((7, 0))
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "shard": 3}"#, Some("s3-release-7")),
+            Some((7, 3))
+        );
+        // A shard that is not a small integer: unreadable, never shard 0.
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "lines": [], "shard": -1}"#, None),
+            None
+        );
+        assert_eq!(
+            release_order(br#"{"order_id": 7, "lines": [], "shard": 70000}"#, None),
+            None
         );
         assert_eq!(
             release_order(br#"{"order_id": 7}"#, Some("release-8")),

@@ -113,25 +113,70 @@ impl Router {
                     route.tier,
                 ))
             }
-            (Kind::Release, _, Some(order_id)) => Ok((
-                Target {
-                    exchange: self.names.events_exchange(),
-                    routing_key: STOCK_RELEASE_ROUTING_KEY.into(),
-                    body: serde_json::json!({ "order_id": order_id })
-                        .to_string()
-                        .into_bytes(),
-                    properties: BasicProperties::default()
-                        .with_delivery_mode(2)
-                        .with_content_type(ShortString::from("application/json"))
-                        .with_message_id(ShortString::from(format!("release-{order_id}"))),
-                },
-                None,
-            )),
+            (Kind::Release, _, Some(order_id)) => {
+                // The shard goes back with it, as the relay wrote it (absent for 0).
+                let body = match entry.shard {
+                    0 => serde_json::json!({ "order_id": order_id }),
+                    shard => serde_json::json!({ "order_id": order_id, "shard": shard }),
+                };
+                let message_id = super::entry::sharded(entry.shard, format!("release-{order_id}"));
+                Ok((
+                    Target {
+                        exchange: self.names.events_exchange(),
+                        routing_key: STOCK_RELEASE_ROUTING_KEY.into(),
+                        body: body.to_string().into_bytes(),
+                        properties: BasicProperties::default()
+                            .with_delivery_mode(2)
+                            .with_content_type(ShortString::from("application/json"))
+                            .with_message_id(ShortString::from(message_id)),
+                    },
+                    None,
+                ))
+            }
             _ => Err(format!(
                 "not replayed: lapse cannot read this body, so it has no path to go back to; \
                  inspect it with `lapse parked show {}`, then `lapse parked purge {}`",
                 entry.id, entry.id
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::message::Delivery;
+
+    /// A parked stock-release event of shard 2, listed and replayed: its id names the
+    /// shard, and the replayed body: must still
+    /// name shard 2, or the releaser applies it in shard 0's database.
+    #[test]
+    fn replaying_a_sharded_release_keeps_its_shard() {
+        let names = Names::new("t");
+        let mut d = Delivery::mock(
+            0,
+            "t.parked".into(),
+            "".into(),
+            false,
+            br#"{"order_id":7,"lines":[{"sku":"a","qty":1}],"shard":2}"#.to_vec(),
+        );
+        d.properties =
+            BasicProperties::default().with_message_id(ShortString::from("s2-release-7"));
+        let entry = Entry::read(&d, &names);
+        let router = Router::new(
+            names.clone(),
+            TierSet::new(vec![Tier::parse("1s").unwrap()]),
+            Duration::from_secs(1),
+        );
+        let (target, _) = router.target(&entry).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&target.body).unwrap();
+        assert_eq!(entry.id, "s2-release-7");
+        assert_eq!(entry.shard, 2);
+        assert_eq!(body["shard"], 2, "replayed body {body}");
+        assert_eq!(body["order_id"], 7);
+        assert_eq!(
+            target.properties.message_id().as_ref().map(|m| m.as_str()),
+            Some("s2-release-7")
+        );
     }
 }
