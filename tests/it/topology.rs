@@ -524,3 +524,47 @@ async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked(
     assert!(!old.arguments.contains_key("x-queue-leader-locator"));
     env.cleanup().await;
 }
+
+/// A queue someone declared with another leader locator is a drift, not accepted
+/// silently like a missing one.
+#[tokio::test]
+async fn another_leader_locator_is_reported_as_drift() {
+    let env = TestEnv::new(&["1s"]).await;
+    let queue = format!("{}.wait.1s", env.prefix);
+    let mut args = env.topology().queue(&queue).unwrap().arguments.clone();
+    args.insert(
+        "x-queue-leader-locator".into(),
+        ArgValue::Str("client-local".into()),
+    );
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            field_table(&args),
+        )
+        .await
+        .unwrap();
+    let apply = env.lapse(&["topology", "apply"]);
+    let out = stdout(&apply);
+    assert_eq!(apply.status.code(), Some(1), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("DRIFT")
+            && l.contains(&queue)
+            && l.contains("x-queue-leader-locator")),
+        "{out}"
+    );
+    let verify = env.lapse(&["topology", "verify"]);
+    let out = stdout(&verify);
+    assert_eq!(verify.status.code(), Some(1), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("FAILED")
+            && l.contains(&queue)
+            && l.contains("x-queue-leader-locator")),
+        "{out}"
+    );
+    env.cleanup().await;
+}

@@ -12,7 +12,9 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind as LapinKind};
 use serde::Serialize;
 
-use super::{ArgValue, CREATE_ONLY_ARGS, ExchangeKind, ExchangeSpec, QueueSpec, Topology};
+use super::{
+    ArgValue, CREATE_ONLY_ARGS, ExchangeKind, ExchangeSpec, GROUP_SIZE_ARG, QueueSpec, Topology,
+};
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
 use crate::names::Names;
@@ -127,6 +129,18 @@ pub(crate) async fn declare_queue(
     q: &QueueSpec,
     passive: bool,
 ) -> Result<Declared, BrokerError> {
+    declare_queue_keeping(conn, q, passive, Vec::new()).await
+}
+
+/// [`declare_queue`]; `kept` lists the create-only arguments already taken from the
+/// existing queue (each is taken once: a broker that objects to the same one again
+/// gets the drift reported, not another declare).
+async fn declare_queue_keeping(
+    conn: &Connection,
+    q: &QueueSpec,
+    passive: bool,
+    mut kept: Vec<String>,
+) -> Result<Declared, BrokerError> {
     let channel = broker::open_channel(conn).await?;
     let options = QueueDeclareOptions {
         durable: true,
@@ -145,24 +159,38 @@ pub(crate) async fn declare_queue(
         // The group size and the leader locator only matter when the queue is
         // created: declare again with what the existing queue has, so that the other
         // arguments are still compared.
-        Declared::Drift(d)
-            if CREATE_ONLY_ARGS.contains(&d.argument.as_str())
-                && q.arguments.contains_key(&d.argument) =>
-        {
-            let mut kept = q.clone();
-            if d.actual == ABSENT {
-                kept.arguments.remove(&d.argument);
-            } else {
-                let value = match d.actual.parse::<i64>() {
-                    Ok(n) => ArgValue::Int(n),
-                    Err(_) => ArgValue::Str(d.actual.clone()),
+        Declared::Drift(d) if !kept.contains(&d.argument) => match existing_value(q, &d) {
+            Some(value) => {
+                let mut again = q.clone();
+                match value {
+                    Some(v) => again.arguments.insert(d.argument.clone(), v),
+                    None => again.arguments.remove(&d.argument),
                 };
-                kept.arguments.insert(d.argument.clone(), value);
+                kept.push(d.argument);
+                Box::pin(declare_queue_keeping(conn, &again, passive, kept)).await
             }
-            Box::pin(declare_queue(conn, &kept, passive)).await
-        }
+            None => Ok(Declared::Drift(d)),
+        },
         other => Ok(other),
     }
+}
+
+/// What to declare a create-only argument as so that an existing queue is accepted:
+/// `Some(None)` to leave it out, `Some(Some(v))` for the broker's value, `None` when
+/// the drift is a real one. Accepted: any group size (it grows by operator action,
+/// docs/topology.md) and an absent leader locator (queues created before lapse set
+/// it); a leader locator other than ours is reported.
+fn existing_value(q: &QueueSpec, d: &Drift) -> Option<Option<ArgValue>> {
+    if !CREATE_ONLY_ARGS.contains(&d.argument.as_str()) || !q.arguments.contains_key(&d.argument) {
+        return None;
+    }
+    if d.actual == ABSENT {
+        return Some(None);
+    }
+    if d.argument == GROUP_SIZE_ARG {
+        return d.actual.parse::<i64>().ok().map(|n| Some(ArgValue::Int(n)));
+    }
+    None
 }
 
 async fn finish(

@@ -13,7 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::apply::{Declared, declare_exchange, declare_queue};
-use super::{ArgValue, CREATE_ONLY_ARGS, QueueSpec, Topology};
+use super::{ArgValue, GROUP_SIZE_ARG, LEADER_LOCATOR_ARG, QueueSpec, Topology};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::management::{Management, QueueInfo};
 
@@ -242,10 +242,13 @@ async fn check_feature_flags(report: &mut VerifyReport, m: &Management) -> bool 
 fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     let mut problems = Vec::new();
     // The group size is checked as live members (see `replicas`), not as an argument;
-    // the leader locator only placed the leader at creation.
-    let create_only = |k: &String| CREATE_ONLY_ARGS.contains(&k.as_str());
-    for (key, want) in q.arguments.iter().filter(|(k, _)| !create_only(k)) {
+    // a leader locator is compared only where the queue has one (queues created
+    // before lapse set it have none, and keep the leader they have).
+    for (key, want) in q.arguments.iter().filter(|(k, _)| *k != GROUP_SIZE_ARG) {
         let have = info.arguments.get(key);
+        if key == LEADER_LOCATOR_ARG && have.is_none() {
+            continue;
+        }
         if !same_value(want, have) {
             problems.push(format!("{key}: wants {want}, has {}", shown(have)));
         }
@@ -253,7 +256,7 @@ fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
     for key in info
         .arguments
         .keys()
-        .filter(|k| !q.arguments.contains_key(*k) && !create_only(k))
+        .filter(|k| !q.arguments.contains_key(*k) && *k != GROUP_SIZE_ARG)
     {
         problems.push(format!(
             "{key}: unexpected, has {}",
