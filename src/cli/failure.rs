@@ -52,7 +52,26 @@ pub fn is_usage(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// A database error of one of several order databases: the failure names `key`
+/// (`database.shards[i]`) instead of `database.url`.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {source}")]
+pub struct InShard {
+    pub key: String,
+    #[source]
+    pub source: tokio_postgres::Error,
+}
+
 fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
+    if let Some(e) = cause.downcast_ref::<InShard>() {
+        return database(&e.source).map(|f| Failure {
+            status: f.status,
+            message: f
+                .message
+                .replace(" (or LAPSE_DATABASE__URL)", "")
+                .replace("database.url", &e.key),
+        });
+    }
     if let Some(e) = cause.downcast_ref::<ConfigError>() {
         return Some(Failure::new(ExitStatus::Usage, e.to_string()));
     }

@@ -171,9 +171,24 @@ async fn migrate_shard_when_reachable(
                     tracing::error!(shard = shard.index, error = %e.detail(),
                         "migrations failed on database.shards[{}]", shard.index);
                 }
-                return Err(e.into());
+                return Err(match e {
+                    db::DbError::Postgres(pg) => {
+                        in_shard(config, &format!("database.shards[{}]", shard.index), pg)
+                    }
+                    other => other.into(),
+                });
             }
         };
+        if config.database.sharded() {
+            // One order database that does not answer must not keep the others'
+            // components from starting: its own retry with back-off and show it on
+            // /health; it is migrated by the next start or `lapse migrate`.
+            tracing::warn!(database = %name, error = %error,
+                "database.shards[{}] does not answer; starting without migrating it \
+                 (its components wait for it; run `lapse migrate` once it answers)",
+                shard.index);
+            return Ok(true);
+        }
         tracing::warn!(
             database = %name,
             error = %error,
@@ -201,6 +216,19 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `error` naming `key` when there are several order databases (with one, the
+/// failure names `database.url` as it always did).
+fn in_shard(config: &Config, key: &str, error: tokio_postgres::Error) -> anyhow::Error {
+    match config.database.sharded() {
+        true => super::failure::InShard {
+            key: key.to_string(),
+            source: error,
+        }
+        .into(),
+        false => error.into(),
+    }
+}
+
 async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::Result<()> {
     let key = match config.database.sharded() {
         true => format!("database.shards[{}]", shard.index),
@@ -212,7 +240,7 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         Ok(pair) => pair,
         Err(db::DbError::Postgres(e)) => {
             return match super::failure::database(&e) {
-                Some(f) if f.status == ExitStatus::Usage => Err(e.into()),
+                Some(f) if f.status == ExitStatus::Usage => Err(in_shard(config, &key, e)),
                 _ => {
                     tracing::warn!(error = %db::DbError::Postgres(e).detail(), "the database does not answer yet; the components retry");
                     Ok(())
