@@ -40,33 +40,9 @@ pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<Scenario
     let meter = Meter::start(env);
     let started = Instant::now();
     let progress = Progress::new("pending: created", orders);
-    let lines = serde_json::from_str::<serde_json::Value>(LINES)?;
-    let mut left = orders;
-    while left > 0 {
-        let chunk = left.min(5_000) as i64;
-        // Spread over an hour, six hours ahead: every order waits in a long tier.
-        db.execute(
-            "SELECT count(lapse_create_order(now() + interval '6 hours' + i * interval '3.6 ms', $1::jsonb))
-               FROM generate_series(1, $2::bigint) i",
-            &[&lines, &chunk],
-        )
-        .await?;
-        left -= chunk as u64;
-        progress.inc(chunk as u64);
-    }
+    create_ahead(&db, orders, &progress).await?;
     let created = started.elapsed();
-    let until = Instant::now() + Duration::from_secs(120 + orders / 500);
-    loop {
-        let n: i64 = db
-            .query_one("SELECT count(*) FROM outbox", &[])
-            .await?
-            .get(0);
-        if n == 0 || Instant::now() >= until {
-            report.lost = n as u64;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    report.lost = outbox_left(&db, orders).await?;
     progress.finish();
     report.orders = orders;
     report.figure("create_s", created.as_secs_f64());
@@ -92,6 +68,45 @@ pub async fn pending(env: &mut BenchEnv, orders: u64) -> anyhow::Result<Scenario
     env.stop_workers().await;
     env.forget_stopped();
     Ok(report)
+}
+
+/// Creates `orders` orders in chunks of 5,000, spread over an hour six hours ahead:
+/// every order waits in a long tier.
+async fn create_ahead(
+    db: &tokio_postgres::Client,
+    orders: u64,
+    progress: &Progress,
+) -> anyhow::Result<()> {
+    let lines = serde_json::from_str::<serde_json::Value>(LINES)?;
+    let mut left = orders;
+    while left > 0 {
+        let chunk = left.min(5_000) as i64;
+        db.execute(
+            "SELECT count(lapse_create_order(now() + interval '6 hours' + i * interval '3.6 ms', $1::jsonb))
+               FROM generate_series(1, $2::bigint) i",
+            &[&lines, &chunk],
+        )
+        .await?;
+        left -= chunk as u64;
+        progress.inc(chunk as u64);
+    }
+    Ok(())
+}
+
+/// Waits until the relay has published every outbox row, or for a limit that grows
+/// with `orders`. Returns the rows still there.
+async fn outbox_left(db: &tokio_postgres::Client, orders: u64) -> anyhow::Result<u64> {
+    let until = Instant::now() + Duration::from_secs(120 + orders / 500);
+    loop {
+        let n: i64 = db
+            .query_one("SELECT count(*) FROM outbox", &[])
+            .await?
+            .get(0);
+        if n == 0 || Instant::now() >= until {
+            return Ok(n as u64);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 pub async fn schedule(env: &mut BenchEnv, orders: u64) -> anyhow::Result<ScenarioReport> {

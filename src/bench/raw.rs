@@ -45,10 +45,52 @@ pub async fn run(env: &mut BenchEnv, options: RawOptions) -> anyhow::Result<Scen
     report.param("rate", options.rate);
     report.param("duration", humantime::format_duration(options.duration));
     report.param("burst", options.burst);
+    let (names, paced_tier, burst_tier) = declare(env, options.burst).await?;
+
+    let conn = super::env::connect(env, "lapse bench raw").await?;
+    let consumer_conn = super::env::connect(env, "lapse bench raw consumer").await?;
+    let (reader, rx) = spawn_reader(&consumer_conn, &names).await?;
+
+    let cpu_before = cpu::sample();
+    let me_before = cpu::of_pid(std::process::id());
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    let mut phases = Phases {
+        channel,
+        exchange: names.delay_exchange(),
+        rx,
+        received: HashMap::new(),
+    };
+    let paced_total = phases.paced(paced_tier, options).await?;
+    phases.burst(burst_tier, options.burst).await?;
+    let me = cpu::of_pid(std::process::id()) - me_before;
+    let cpu_after = cpu::sample();
+    reader.abort();
+    let _ = conn.close(200, "done".into()).await;
+    let _ = consumer_conn.close(200, "done".into()).await;
+
+    tally(&mut report, phases.received, paced_total, options);
+    report.cpu_per_1000 = CpuPerThousand::between(cpu_before, cpu_after, me, report.orders);
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.load_average = cpu::load_average();
+    Ok(report)
+}
+
+/// One message as the reader saw it: phase, lateness (ms), arrival time (ns).
+type Arrival = (u8, f64, u128);
+
+/// What arrived, by phase: each message's lateness (ms) and arrival time (ns).
+type Received = HashMap<u8, Vec<(f64, u128)>>;
+
+/// Declares the run's own topology with its two tiers: 1 s for the paced phase, and
+/// for the burst one long enough that the publisher finishes before the first message
+/// expires (assuming at least 5,000 confirmed publishes per second). Returns the names
+/// and the paced and burst tiers.
+async fn declare(env: &mut BenchEnv, burst: u64) -> anyhow::Result<(Names, Tier, Tier)> {
     let paced_tier = Tier::from_duration(Duration::from_secs(1))?;
-    // Long enough that the publisher finishes before the first message expires
-    // (assuming at least 5,000 confirmed publishes per second).
-    let burst_tier = Tier::from_duration(Duration::from_secs(2 + options.burst / 5_000))?;
+    let burst_tier = Tier::from_duration(Duration::from_secs(2 + burst / 5_000))?;
     let names = Names::new(format!("{}-raw", env.names.prefix));
     let file = TierFile {
         tiers: TierSet::new(vec![paced_tier, burst_tier]),
@@ -56,10 +98,19 @@ pub async fn run(env: &mut BenchEnv, options: RawOptions) -> anyhow::Result<Scen
         max_length: None,
     };
     env.declare(Topology::new(&names, &file)).await?;
+    Ok((names, paced_tier, burst_tier))
+}
 
-    let conn = super::env::connect(env, "lapse bench raw").await?;
-    let consumer_conn = super::env::connect(env, "lapse bench raw consumer").await?;
-    let (tx, mut rx) = mpsc::unbounded_channel::<(u8, f64, u128)>();
+/// Consumes the due queue: acks each message and sends its [`Arrival`] on the
+/// returned channel.
+async fn spawn_reader(
+    consumer_conn: &lapin::Connection,
+    names: &Names,
+) -> anyhow::Result<(
+    tokio::task::JoinHandle<()>,
+    mpsc::UnboundedReceiver<Arrival>,
+)> {
+    let (tx, rx) = mpsc::unbounded_channel::<Arrival>();
     let consume = consumer_conn.create_channel().await?;
     consume.basic_qos(1000, BasicQosOptions::default()).await?;
     let mut consumer = consume
@@ -87,86 +138,100 @@ pub async fn run(env: &mut BenchEnv, options: RawOptions) -> anyhow::Result<Scen
             }
         }
     });
+    Ok((reader, rx))
+}
 
-    let cpu_before = cpu::sample();
-    let me_before = cpu::of_pid(std::process::id());
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(lapin::options::ConfirmSelectOptions::default())
-        .await?;
-    let exchange = names.delay_exchange();
-    let paced_total = (u64::from(options.rate) * options.duration.as_millis() as u64 / 1000).max(1);
-    let progress = Progress::new("raw: paced", paced_total);
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(options.rate)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut confirms = Vec::new();
-    for _ in 0..paced_total {
-        tick.tick().await;
-        let body = format!("0 {}", now_ns() + paced_tier.duration().as_nanos());
-        let channel = channel.clone();
-        let (exchange, key) = (exchange.clone(), paced_tier.name());
-        confirms.push(tokio::spawn(async move {
-            channel
-                .basic_publish(
-                    exchange.as_str().into(),
-                    key.as_str().into(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    BasicProperties::default(),
-                )
-                .await?
-                .await
-        }));
-        progress.inc(1);
-    }
-    for c in confirms {
-        c.await??;
-    }
-    let mut received: HashMap<u8, Vec<(f64, u128)>> = HashMap::new();
-    collect(
-        &mut rx,
-        &mut received,
-        0,
-        paced_total,
-        Duration::from_secs(30),
-    )
-    .await;
-    progress.finish();
+/// The publishing side of both phases and what came back.
+struct Phases {
+    /// In confirm mode.
+    channel: lapin::Channel,
+    exchange: String,
+    rx: mpsc::UnboundedReceiver<Arrival>,
+    received: Received,
+}
 
-    let progress = Progress::new("raw: burst", options.burst);
-    let mut pending = Vec::with_capacity(1000);
-    for _ in 0..options.burst {
-        let body = format!("1 {}", now_ns() + burst_tier.duration().as_nanos());
-        pending.push(
-            channel
-                .basic_publish(
-                    exchange.as_str().into(),
-                    burst_tier.name().as_str().into(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    BasicProperties::default(),
-                )
-                .await?,
-        );
-        if pending.len() == 1000 {
-            for c in pending.drain(..) {
-                c.await?;
-            }
-            progress.inc(1000);
+impl Phases {
+    /// Phase 0: `rate` messages a second for `duration` on the 1 s tier, each
+    /// confirmed, then waits for them to arrive. Returns how many were sent.
+    async fn paced(&mut self, tier: Tier, options: RawOptions) -> anyhow::Result<u64> {
+        let paced_total =
+            (u64::from(options.rate) * options.duration.as_millis() as u64 / 1000).max(1);
+        let progress = Progress::new("raw: paced", paced_total);
+        let mut tick =
+            tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(options.rate)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        let mut confirms = Vec::new();
+        for _ in 0..paced_total {
+            tick.tick().await;
+            let body = format!("0 {}", now_ns() + tier.duration().as_nanos());
+            let channel = self.channel.clone();
+            let (exchange, key) = (self.exchange.clone(), tier.name());
+            confirms.push(tokio::spawn(async move {
+                channel
+                    .basic_publish(
+                        exchange.as_str().into(),
+                        key.as_str().into(),
+                        BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        BasicProperties::default(),
+                    )
+                    .await?
+                    .await
+            }));
+            progress.inc(1);
         }
+        for c in confirms {
+            c.await??;
+        }
+        let limit = Duration::from_secs(30);
+        collect(&mut self.rx, &mut self.received, 0, paced_total, limit).await;
+        progress.finish();
+        Ok(paced_total)
     }
-    for c in pending.drain(..) {
-        c.await?;
-    }
-    let limit = burst_tier.duration() + Duration::from_secs(30 + options.burst / 1000);
-    collect(&mut rx, &mut received, 1, options.burst, limit).await;
-    progress.finish();
-    let me = cpu::of_pid(std::process::id()) - me_before;
-    let cpu_after = cpu::sample();
-    reader.abort();
-    let _ = conn.close(200, "done".into()).await;
-    let _ = consumer_conn.close(200, "done".into()).await;
 
+    /// Phase 1: `burst` messages as fast as confirms allow (up to 1,000 in flight) on
+    /// the burst tier, then waits for them to arrive.
+    async fn burst(&mut self, tier: Tier, burst: u64) -> anyhow::Result<()> {
+        let progress = Progress::new("raw: burst", burst);
+        let mut pending = Vec::with_capacity(1000);
+        for _ in 0..burst {
+            let body = format!("1 {}", now_ns() + tier.duration().as_nanos());
+            pending.push(
+                self.channel
+                    .basic_publish(
+                        self.exchange.as_str().into(),
+                        tier.name().as_str().into(),
+                        BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        BasicProperties::default(),
+                    )
+                    .await?,
+            );
+            if pending.len() == 1000 {
+                for c in pending.drain(..) {
+                    c.await?;
+                }
+                progress.inc(1000);
+            }
+        }
+        for c in pending.drain(..) {
+            c.await?;
+        }
+        let limit = tier.duration() + Duration::from_secs(30 + burst / 1000);
+        collect(&mut self.rx, &mut self.received, 1, burst, limit).await;
+        progress.finish();
+        Ok(())
+    }
+}
+
+/// Counts, losses and lateness from the paced phase; the dead-letter rate and the
+/// arrivals per 100 ms from the burst.
+fn tally(
+    report: &mut ScenarioReport,
+    mut received: Received,
+    paced_total: u64,
+    options: RawOptions,
+) {
     let paced = received.remove(&0).unwrap_or_default();
     let burst = received.remove(&1).unwrap_or_default();
     report.orders = paced_total + options.burst;
@@ -193,16 +258,12 @@ pub async fn run(env: &mut BenchEnv, options: RawOptions) -> anyhow::Result<Scen
             b
         });
     }
-    report.cpu_per_1000 = CpuPerThousand::between(cpu_before, cpu_after, me, report.orders);
-    report.elapsed_s = started.elapsed().as_secs_f64();
-    report.load_average = cpu::load_average();
-    Ok(report)
 }
 
 /// Receives until `want` messages of `phase` arrived or `limit` passed.
 async fn collect(
-    rx: &mut mpsc::UnboundedReceiver<(u8, f64, u128)>,
-    received: &mut HashMap<u8, Vec<(f64, u128)>>,
+    rx: &mut mpsc::UnboundedReceiver<Arrival>,
+    received: &mut Received,
     phase: u8,
     want: u64,
     limit: Duration,

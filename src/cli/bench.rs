@@ -141,31 +141,8 @@ pub async fn run(
         .database
         .clone()
         .unwrap_or_else(|| format!("lapse_bench_{pid}"));
-    let options = Options {
-        steady: Steady {
-            rate: args.rate,
-            duration: args.duration,
-            connections: args.connections as usize,
-            deadlines: args.deadlines.0.clone(),
-        },
-        orders: args.orders,
-        workers: args.workers,
-        gap: args.gap,
-        raw: RawOptions {
-            rate: args.rate,
-            duration: args.raw_duration,
-            burst: args.raw_burst,
-        },
-    };
-    if let Some(exe) = &args.worker_exe
-        && !exe.is_file()
-    {
-        return Err(crate::config::ConfigError {
-            key: "--worker-exe".into(),
-            problem: format!("{} is not a file", exe.display()),
-        }
-        .into());
-    }
+    let options = options(&args);
+    check_worker_exe(&args)?;
     let mut env = bench::env::BenchEnv::create(config, config_file, &prefix, &database).await?;
     env.worker_exe = args.worker_exe.clone();
     let outcome = tokio::select! {
@@ -183,13 +160,53 @@ pub async fn run(
     if let Err(e) = cleaned {
         eprintln!("warning: {e}");
     }
+    output(&report, &args)
+}
+
+/// The scenarios' options from the command line.
+fn options(args: &BenchArgs) -> Options {
+    Options {
+        steady: Steady {
+            rate: args.rate,
+            duration: args.duration,
+            connections: args.connections as usize,
+            deadlines: args.deadlines.0.clone(),
+        },
+        orders: args.orders,
+        workers: args.workers,
+        gap: args.gap,
+        raw: RawOptions {
+            rate: args.rate,
+            duration: args.raw_duration,
+            burst: args.raw_burst,
+        },
+    }
+}
+
+/// `--worker-exe`, when given, must be a file (checked before anything is created).
+fn check_worker_exe(args: &BenchArgs) -> anyhow::Result<()> {
+    if let Some(exe) = &args.worker_exe
+        && !exe.is_file()
+    {
+        return Err(crate::config::ConfigError {
+            key: "--worker-exe".into(),
+            problem: format!("{} is not a file", exe.display()),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Writes the charts and prints the report; the exit status says whether every
+/// order closed in time and none early.
+fn output(report: &bench::report::Report, args: &BenchArgs) -> anyhow::Result<ExitStatus> {
     if let Some(dir) = &args.svg {
-        for path in bench::svg::write(&report, dir)? {
+        for path in bench::svg::write(report, dir)? {
             eprintln!("wrote {}", path.display());
         }
     }
     if args.json {
-        super::print_json(&report)?;
+        super::print_json(report)?;
     } else {
         print!("{}", report.table());
     }

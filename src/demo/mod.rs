@@ -13,13 +13,14 @@ pub mod report;
 pub mod sandbox;
 pub mod workload;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -27,7 +28,8 @@ use crate::config::Config;
 use crate::db;
 use crate::observe::stats::Stats;
 use crate::orders;
-use crate::runtime::service::Service;
+use crate::runtime::health::Health;
+use crate::runtime::service::{Service, Stopped};
 use crate::runtime::supervisor::Stop;
 use progress::{Display, Progress};
 use report::{Lateness, Report};
@@ -105,15 +107,7 @@ async fn run_in(
     let counters = Arc::new(Counters::default());
 
     let service_token = token.child_token();
-    let service = Service::start(config, Stats::default(), service_token.clone()).await?;
-    let health = service.health();
-    let service_done = CancellationToken::new();
-    let done = service_done.clone();
-    let service = tokio::spawn(async move {
-        let stopped = service.wait().await;
-        done.cancel();
-        stopped
-    });
+    let (health, service, service_done) = start_service(config, service_token.clone()).await?;
     let progress_token = CancellationToken::new();
     let progress = Progress {
         orders: u64::from(o.orders),
@@ -153,8 +147,26 @@ async fn run_in(
     Ok(report)
 }
 
+/// Starts the components in-process, as `lapse worker` does. Returns their health,
+/// the task that waits for them to stop, and a token cancelled once they have.
+async fn start_service(
+    config: &Config,
+    token: CancellationToken,
+) -> anyhow::Result<(Health, JoinHandle<Stopped>, CancellationToken)> {
+    let service = Service::start(config, Stats::default(), token).await?;
+    let health = service.health();
+    let service_done = CancellationToken::new();
+    let done = service_done.clone();
+    let service = tokio::spawn(async move {
+        let stopped = service.wait().await;
+        done.cancel();
+        stopped
+    });
+    Ok((health, service, service_done))
+}
+
 /// Waits (at most 30 s) until the components that hold broker connections are up.
-async fn ready(health: &crate::runtime::health::Health, token: &CancellationToken) {
+async fn ready(health: &Health, token: &CancellationToken) {
     let limit = Instant::now() + Duration::from_secs(30);
     while Instant::now() < limit && !token.is_cancelled() {
         let snapshot = health.snapshot();
@@ -229,7 +241,6 @@ async fn assemble(
     let (p, closes) = report::gather(&**client, start).await?;
     let stock_end = report::stock(&**client).await?;
     let paid_units = report::paid_units(&**client).await?;
-    let lateness = Lateness::of(&closes.lateness_ms);
     let mut report = Report {
         orders: u64::from(o.orders),
         duration_s: o.duration.as_secs_f64(),
@@ -247,7 +258,7 @@ async fn assemble(
         stock_consistent: report::stock_consistent(stock_start, &stock_end, &paid_units),
         stock_start: stock_start.to_vec(),
         stock_end,
-        lateness_ms: lateness.clone(),
+        lateness_ms: Lateness::of(&closes.lateness_ms),
         hops: p.hops,
         actions_too_late: counters.too_slow.load(Ordering::Relaxed),
         action_errors: counters.errors.load(Ordering::Relaxed),
@@ -261,20 +272,26 @@ async fn assemble(
             p.total, o.orders
         ));
     }
-    let svg = std::path::absolute(&o.svg).unwrap_or_else(|_| o.svg.clone());
-    let title = match &lateness {
+    draw_picture(&mut report, &o.svg, &closes);
+    Ok(report)
+}
+
+/// Draws the closes to `svg`, titled with the report's figures; records where the
+/// picture went, or why it could not be written.
+fn draw_picture(report: &mut Report, svg: &Path, closes: &report::Closes) {
+    let svg = std::path::absolute(svg).unwrap_or_else(|_| svg.to_path_buf());
+    let title = match &report.lateness_ms {
         Some(l) => format!(
             "lapse demo: {} orders, {} closed ({} early), lateness p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
-            o.orders, p.closed, p.early, l.p50, l.p99, l.max
+            report.orders, report.closed, report.early, l.p50, l.p99, l.max
         ),
-        None => format!("lapse demo: {} orders, none closed", o.orders),
+        None => format!("lapse demo: {} orders, none closed", report.orders),
     };
-    match picture::draw(&svg, &closes, &title) {
+    match picture::draw(&svg, closes, &title) {
         Ok(()) => report.svg = Some(svg.display().to_string()),
         Err(e) => report.problems.push(format!(
             "could not write the picture {}: {e:#}",
             svg.display()
         )),
     }
-    Ok(report)
 }

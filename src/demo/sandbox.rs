@@ -36,6 +36,49 @@ fn suffix() -> String {
     )
 }
 
+/// The URL of the demo's own database, `<name>_demo_<suffix>` on the server of
+/// `database.url` (which must be a `postgres://` URL), and that database's name.
+fn database_url(base: &Config, suffix: &str) -> Result<(url::Url, String), ConfigError> {
+    let bad_url = |problem: &str| ConfigError {
+        key: "database.url".into(),
+        problem: problem.into(),
+    };
+    // With shards, the demo's database goes on shard 0's server; it never runs in
+    // the shards themselves.
+    let base_url = base.database.shard_list().remove(0).url;
+    let mut url = url::Url::parse(base_url.expose())
+        .ok()
+        .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
+        .ok_or_else(|| {
+            bad_url(
+                "`lapse demo` needs a postgres:// URL: it creates its own database on \
+                 the same server",
+            )
+        })?;
+    // A database named in the query would win over the path: the demo would run
+    // in (and drop) someone's real database.
+    if url
+        .query_pairs()
+        .any(|(k, _)| k.eq_ignore_ascii_case("dbname"))
+    {
+        return Err(bad_url(
+            "`lapse demo` names its own database: remove the dbname parameter",
+        ));
+    }
+    let own: String = url
+        .path()
+        .trim_start_matches('/')
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .take(30)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    let own = if own.is_empty() { "lapse".into() } else { own };
+    let database = format!("{own}_demo_{suffix}");
+    url.set_path(&format!("/{database}"));
+    Ok((url, database))
+}
+
 impl Sandbox {
     /// `<broker.prefix>-demo-<suffix>` and the database `<name>_demo_<suffix>` on the
     /// server of `database.url` (which must be a `postgres://` URL).
@@ -44,43 +87,7 @@ impl Sandbox {
         let mut config = base.clone();
         let prefix = format!("{}-demo-{suffix}", base.broker.prefix);
         crate::config::validate_prefix(&prefix)?;
-        let bad_url = |problem: &str| ConfigError {
-            key: "database.url".into(),
-            problem: problem.into(),
-        };
-        // With shards, the demo's database goes on shard 0's server; it never runs in
-        // the shards themselves.
-        let base_url = base.database.shard_list().remove(0).url;
-        let mut url = url::Url::parse(base_url.expose())
-            .ok()
-            .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
-            .ok_or_else(|| {
-                bad_url(
-                    "`lapse demo` needs a postgres:// URL: it creates its own database on \
-                     the same server",
-                )
-            })?;
-        // A database named in the query would win over the path: the demo would run
-        // in (and drop) someone's real database.
-        if url
-            .query_pairs()
-            .any(|(k, _)| k.eq_ignore_ascii_case("dbname"))
-        {
-            return Err(bad_url(
-                "`lapse demo` names its own database: remove the dbname parameter",
-            ));
-        }
-        let own: String = url
-            .path()
-            .trim_start_matches('/')
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .take(30)
-            .collect::<String>()
-            .to_ascii_lowercase();
-        let own = if own.is_empty() { "lapse".into() } else { own };
-        let database = format!("{own}_demo_{suffix}");
-        url.set_path(&format!("/{database}"));
+        let (url, database) = database_url(base, &suffix)?;
         config.database.url = Secret::new(url.to_string());
         config.database.shards = None;
         config.broker.prefix = prefix.clone();

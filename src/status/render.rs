@@ -7,8 +7,18 @@ use super::Status;
 
 impl Status {
     pub fn render(&self) -> String {
-        let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1} ms"));
         let mut out = String::new();
+        self.render_missing_consumers(&mut out);
+        self.render_queues(&mut out);
+        self.render_orders(&mut out);
+        self.render_closes(&mut out);
+        self.render_releases(&mut out);
+        self.render_shards(&mut out);
+        out
+    }
+
+    /// A warning line for each due or stock release queue nobody consumes.
+    fn render_missing_consumers(&self, out: &mut String) {
         for q in &self.queues {
             if q.consumers == Some(0) && matches!(q.role.as_str(), "due" | "stock release") {
                 out.push_str(&format!(
@@ -17,6 +27,9 @@ impl Status {
                 ));
             }
         }
+    }
+
+    fn render_queues(&self, out: &mut String) {
         out.push_str(&format!(
             "QUEUES\n  {:<40} {:<14} {:>9} {:>9}\n",
             "name", "role", "messages", "consumers"
@@ -29,6 +42,9 @@ impl Status {
                 q.queue, q.role
             ));
         }
+    }
+
+    fn render_orders(&self, out: &mut String) {
         out.push_str(&format!(
             "ORDERS\n  overdue UNPAID     {} (oldest {})\n  outbox rows        {} (oldest {}, {} refused or unroutable)\n",
             self.overdue_unpaid,
@@ -43,6 +59,9 @@ impl Status {
                 self.unreadable_deadlines
             ));
         }
+    }
+
+    fn render_closes(&self, out: &mut String) {
         out.push_str(&format!(
             "CLOSES (last {} min)\n  closed             {} ({} by the sweeper)\n  release repairs    {} ({} ever)\n  lateness           p50 {}, p99 {}, max {}\n",
             self.recent_window_minutes,
@@ -54,6 +73,9 @@ impl Status {
             ms(self.lateness_p99_ms),
             ms(self.lateness_max_ms),
         ));
+    }
+
+    fn render_releases(&self, out: &mut String) {
         out.push_str(&format!(
             "RELEASES\n  missing            {} closed more than {} ago without a stock release (oldest {}, {} given up by the reconciler)\n",
             self.releases_missing,
@@ -61,32 +83,34 @@ impl Status {
             ms(self.oldest_missing_release_ms),
             self.releases_exhausted,
         ));
-        if !self.shards.is_empty() {
-            out.push_str(&format!(
-                "SHARDS\n  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
-                "shard",
-                "overdue",
-                "oldest",
-                "outbox",
-                "oldest",
-                "closed",
-                "missing",
-                "lateness p99"
-            ));
-            for s in &self.shards {
-                out.push_str(&format!(
-                    "  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
-                    s.shard,
-                    s.overdue_unpaid,
-                    ms(s.oldest_overdue_ms),
-                    s.outbox_rows,
-                    ms(s.oldest_outbox_ms),
-                    s.recent_closes,
-                    s.releases_missing,
-                    ms(s.lateness_p99_ms),
-                ));
-            }
-        }
-        out
     }
+
+    /// One line per shard; nothing without shards.
+    fn render_shards(&self, out: &mut String) {
+        if self.shards.is_empty() {
+            return;
+        }
+        out.push_str(&format!(
+            "SHARDS\n  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
+            "shard", "overdue", "oldest", "outbox", "oldest", "closed", "missing", "lateness p99"
+        ));
+        for s in &self.shards {
+            out.push_str(&format!(
+                "  {:<6} {:>8} {:>14} {:>7} {:>14} {:>7} {:>9} {:>12}\n",
+                s.shard,
+                s.overdue_unpaid,
+                ms(s.oldest_overdue_ms),
+                s.outbox_rows,
+                ms(s.oldest_outbox_ms),
+                s.recent_closes,
+                s.releases_missing,
+                ms(s.lateness_p99_ms),
+            ));
+        }
+    }
+}
+
+/// A duration in milliseconds with one decimal, or `-` when there is none.
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".to_string(), |v| format!("{v:.1} ms"))
 }

@@ -203,6 +203,7 @@ fn shown(action: &Action) -> String {
 
 /// The decision table of docs/pipeline.md: one row per line of the table (tiers 1s
 /// and 10s, `max_attempts` 3, `retry_backoff` 500 ms, `lock_retry` 500 ms).
+// Over 60 lines on purpose: it walks the table of docs/pipeline.md in its order (the classified rows, the same message twice in a batch, the database-unavailable rows); the rows are the point, and split tests would scatter the table.
 #[test]
 fn the_decision_table() {
     let d = decider();

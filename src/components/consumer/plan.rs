@@ -152,6 +152,37 @@ mod tests {
         }
     }
 
+    /// A step as one line, for the table below.
+    fn shown(step: &Step) -> String {
+        match step {
+            Step::Ack(o) => format!("ack {}", o.as_str()),
+            Step::Hold { after, outcome } => format!("hold {after:?} {}", outcome.as_str()),
+            Step::Keep {
+                reroute_after,
+                missing_queue,
+            } => format!(
+                "keep {:?} missing={}",
+                reroute_after.unwrap_or_default(),
+                missing_queue.as_deref().unwrap_or("-")
+            ),
+            Step::Publish(p) => {
+                let mut s = format!(
+                    "publish {}/{} {}",
+                    p.message.exchange,
+                    p.message.routing_key,
+                    p.outcome.as_str()
+                );
+                if let Some(kind) = p.park {
+                    s += &format!(" park={kind}");
+                }
+                if let Some(hop) = &p.hop {
+                    s += &format!(" hop={}", hop.tier);
+                }
+                s
+            }
+        }
+    }
+
     /// Every action, with every answer of the tier check, and the step it becomes.
     #[test]
     fn each_action_becomes_its_step() {
@@ -183,34 +214,7 @@ mod tests {
         ];
         for (case, action, tiers, expected) in table {
             let step = plan(action, &delivery, &names, tiers);
-            let shown = match &step {
-                Step::Ack(o) => format!("ack {}", o.as_str()),
-                Step::Hold { after, outcome } => format!("hold {after:?} {}", outcome.as_str()),
-                Step::Keep {
-                    reroute_after,
-                    missing_queue,
-                } => format!(
-                    "keep {:?} missing={}",
-                    reroute_after.unwrap_or_default(),
-                    missing_queue.as_deref().unwrap_or("-")
-                ),
-                Step::Publish(p) => {
-                    let mut s = format!(
-                        "publish {}/{} {}",
-                        p.message.exchange,
-                        p.message.routing_key,
-                        p.outcome.as_str()
-                    );
-                    if let Some(kind) = p.park {
-                        s += &format!(" park={kind}");
-                    }
-                    if let Some(hop) = &p.hop {
-                        s += &format!(" hop={}", hop.tier);
-                    }
-                    s
-                }
-            };
-            assert_eq!(shown, expected, "{case}");
+            assert_eq!(shown(&step), expected, "{case}");
             if let Step::Publish(p) = &step
                 && let Publish {
                     park: Some(_),
