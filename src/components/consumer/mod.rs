@@ -188,32 +188,8 @@ impl Consumer {
             self.stats.lateness(c.lateness(), "timeout");
         }
         let mut kept = Kept::default();
-        let wanted = wanted_tiers(&actions);
-        let tiers = match wanted.is_empty() {
-            true => Tiers::Missing(BTreeSet::new()),
-            false => match publishing.missing_tiers(&self.tier_check, wanted).await {
-                Ok(missing) => Tiers::Missing(missing),
-                Err(e) => {
-                    kept.because(e);
-                    Tiers::Unknown
-                }
-            },
-        };
-        // With several shards, those whose database was away: their hops are not
-        // written to their timeline (waiting for that database would hold up the
-        // other shards). One database is tried as it always was.
-        let away: BTreeSet<u16> = actions
-            .iter()
-            .filter(|_| self.decider.pools.len() > 1)
-            .filter_map(|a| match a {
-                Action::Publish {
-                    message,
-                    outcome: Outcome::Retried,
-                    ..
-                } => Some(message.shard),
-                _ => None,
-            })
-            .collect();
+        let tiers = self.tiers_for(&actions, publishing, &mut kept).await;
+        let away = self.shards_away(&actions);
         let steps: Vec<(Delivery, Step)> = batch
             .into_iter()
             .zip(actions)
@@ -237,5 +213,43 @@ impl Consumer {
             .await?;
         report.closed = closed.len();
         Ok(report)
+    }
+    /// Which wait tiers the batch's re-delays need are missing (one check for the
+    /// batch); unknown when the check itself failed (the reason is kept).
+    async fn tiers_for(
+        &self,
+        actions: &[Action],
+        publishing: &mut PublishingConnection,
+        kept: &mut Kept,
+    ) -> Tiers {
+        let wanted = wanted_tiers(actions);
+        if wanted.is_empty() {
+            return Tiers::Missing(BTreeSet::new());
+        }
+        match publishing.missing_tiers(&self.tier_check, wanted).await {
+            Ok(missing) => Tiers::Missing(missing),
+            Err(e) => {
+                kept.because(e);
+                Tiers::Unknown
+            }
+        }
+    }
+
+    /// With several shards, those whose database was away: their hops are not written
+    /// to their timeline (waiting for that database would hold up the other shards).
+    /// One database is tried as it always was.
+    fn shards_away(&self, actions: &[Action]) -> BTreeSet<u16> {
+        actions
+            .iter()
+            .filter(|_| self.decider.pools.len() > 1)
+            .filter_map(|a| match a {
+                Action::Publish {
+                    message,
+                    outcome: Outcome::Retried,
+                    ..
+                } => Some(message.shard),
+                _ => None,
+            })
+            .collect()
     }
 }
