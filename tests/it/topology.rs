@@ -233,15 +233,21 @@ async fn predeclare_wait_queue_with_ttl(env: &TestEnv, tier: &str, ttl: i64) {
     let name = format!("{}.wait.{tier}", env.prefix);
     let mut args = topology.queue(&name).unwrap().arguments.clone();
     args.insert("x-message-ttl".into(), ArgValue::Int(ttl));
+    declare_with(env, &name, &args).await;
+}
+
+/// Declares `name` as a durable queue with exactly `args`, as an operator or an older
+/// lapse could have.
+async fn declare_with(env: &TestEnv, name: &str, args: &lapse::amqp::topology::Arguments) {
     let channel = env.conn.create_channel().await.unwrap();
     channel
         .queue_declare(
-            name.as_str().into(),
+            name.into(),
             QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
             },
-            field_table(&args),
+            field_table(args),
         )
         .await
         .unwrap();
@@ -477,17 +483,7 @@ async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked(
         if q.name == wrong_ttl {
             args.insert("x-message-ttl".into(), ArgValue::Int(7_000));
         }
-        channel
-            .queue_declare(
-                q.name.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                field_table(&args),
-            )
-            .await
-            .unwrap();
+        declare_with(&env, &q.name, &args).await;
     }
     let apply = env.lapse(&["topology", "apply"]);
     let out = stdout(&apply);
@@ -536,18 +532,7 @@ async fn another_leader_locator_is_reported_as_drift() {
         "x-queue-leader-locator".into(),
         ArgValue::Str("client-local".into()),
     );
-    let channel = env.conn.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            field_table(&args),
-        )
-        .await
-        .unwrap();
+    declare_with(&env, &queue, &args).await;
     let apply = env.lapse(&["topology", "apply"]);
     let out = stdout(&apply);
     assert_eq!(apply.status.code(), Some(1), "{out}");
