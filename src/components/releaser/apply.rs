@@ -1,7 +1,8 @@
-//! One release transaction: the order rows first (skipping those another transaction
-//! holds), then the stock rows in SKU order, then the ledger rows, the stock changes and
-//! the `released_at` stamp (except for a row whose deadline lies outside the range lapse
-//! handles, which cannot be updated). See the parent module for why this lock order.
+//! One release transaction in three statements: the order rows first (skipping, and
+//! listing, those another transaction holds), then the stock rows in SKU order, then, in
+//! one statement, the ledger rows, the stock changes and the `released_at` stamp (except
+//! for a row whose deadline lies outside the range lapse handles, which cannot be
+//! updated). See the parent module for why this lock order.
 
 use crate::db::{DbError, column};
 use crate::deadline;
@@ -32,8 +33,31 @@ restocked AS (
       FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
      WHERE s.sku = r.sku
     RETURNING 1
+),
+stamped AS (
+    -- What the reconciler looks for: CLOSED orders without this stamp.
+    UPDATE orders SET released_at = clock_timestamp()
+     WHERE id = ANY($2) AND status = 'CLOSED' AND released_at IS NULL
+    RETURNING 1
 )
-SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked";
+SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked,
+       (SELECT count(*) FROM stamped) AS stamped";
+
+/// Locks the CLOSED orders among `$1` that no other transaction holds (`locked`),
+/// and lists the CLOSED ones it skipped (`locked` false).
+fn lock_sql() -> String {
+    format!(
+        "WITH locked AS (
+             SELECT id, {} AS readable, expire_at::text AS raw FROM orders
+              WHERE id = ANY($1) AND status = 'CLOSED'
+              ORDER BY id FOR NO KEY UPDATE SKIP LOCKED)
+         SELECT id, readable, raw, true AS locked FROM locked
+         UNION ALL
+         SELECT id, false, NULL, false FROM orders
+          WHERE id = ANY($1) AND status = 'CLOSED' AND id NOT IN (SELECT id FROM locked)",
+        deadline::in_range_sql("expire_at")
+    )
+}
 
 impl Releaser {
     /// Applies the releases of these orders of `shard`, except those whose row another
@@ -46,22 +70,19 @@ impl Releaser {
             .ok_or_else(|| DbError::Config(format!("no database for shard {shard}")))?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
-        // Order rows first, without waiting for one another transaction holds.
-        let rows = tx
-            .query(
-                &format!(
-                    "SELECT id, {} AS readable, expire_at::text AS raw FROM orders
-                      WHERE id = ANY($1) AND status = 'CLOSED'
-                      ORDER BY id FOR NO KEY UPDATE SKIP LOCKED",
-                    deadline::in_range_sql("expire_at")
-                ),
-                &[&order_ids],
-            )
-            .await?;
+        // Order rows first, without waiting for one another transaction holds; in the
+        // same statement the CLOSED orders it could not lock (CLOSED is final, so
+        // those are held by someone else).
+        let rows = tx.query(&lock_sql(), &[&order_ids]).await?;
         let mut locked = Vec::with_capacity(rows.len());
         let mut stampable = Vec::with_capacity(rows.len());
+        let mut held = Vec::new();
         for row in &rows {
             let id: i64 = column(row, "id")?;
+            if !column::<bool>(row, "locked")? {
+                held.push(id);
+                continue;
+            }
             locked.push(id);
             if column::<bool>(row, "readable")? {
                 stampable.push(id);
@@ -71,17 +92,6 @@ impl Releaser {
                     "releaser: released the stock of a closed order whose deadline lapse cannot handle, but cannot stamp its row; repair it (docs/operations.md)");
             }
         }
-        // CLOSED is final: a CLOSED order not locked above is held by someone else.
-        let held: Vec<i64> = tx
-            .query(
-                "SELECT id FROM orders
-                  WHERE id = ANY($1) AND status = 'CLOSED' AND NOT (id = ANY($2))",
-                &[&order_ids, &locked],
-            )
-            .await?
-            .iter()
-            .map(|r| column(r, "id"))
-            .collect::<Result<_, _>>()?;
         // Then the stock rows in SKU order, as every writer of stock does.
         tx.execute(
             "SELECT 1 FROM stock WHERE sku IN
@@ -90,14 +100,7 @@ impl Releaser {
             &[&locked],
         )
         .await?;
-        let row = tx.query_one(RELEASE_SQL, &[&locked]).await?;
-        // What the reconciler looks for: CLOSED orders without this stamp.
-        tx.execute(
-            "UPDATE orders SET released_at = clock_timestamp()
-              WHERE id = ANY($1) AND status = 'CLOSED' AND released_at IS NULL",
-            &[&stampable],
-        )
-        .await?;
+        let row = tx.query_one(RELEASE_SQL, &[&locked, &stampable]).await?;
         tx.commit().await?;
         Ok(ReleaseOutcome {
             applied: column(&row, "applied")?,
