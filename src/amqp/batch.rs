@@ -30,6 +30,8 @@ pub struct BatchSource {
     queue: String,
     prefetch: u16,
     held: DelayQueue<Delivery>,
+    /// How long any reply of the broker on this channel is waited for.
+    reply_timeout: Duration,
     pub channel: lapin::Channel,
 }
 
@@ -38,31 +40,37 @@ pub struct BatchSource {
 pub const IDLE_CHECK: Duration = Duration::from_secs(10);
 
 impl BatchSource {
-    /// Opens a channel with `prefetch` and starts consuming `queue`.
+    /// Opens a channel with `prefetch` and starts consuming `queue`; each step waits
+    /// at most `reply_timeout` for the broker's reply.
     pub async fn open(
         conn: &lapin::Connection,
         queue: &str,
         prefetch: u16,
+        reply_timeout: Duration,
     ) -> Result<Self, BrokerError> {
-        let channel = broker::open_channel(conn).await?;
-        channel
-            .basic_qos(prefetch, BasicQosOptions::default())
-            .await
-            .map_err(BrokerError::amqp("basic.qos"))?;
-        let consumer = channel
-            .basic_consume(
-                queue.into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(BrokerError::amqp("basic.consume"))?;
+        let channel =
+            broker::within(reply_timeout, "channel.open", broker::open_channel(conn)).await?;
+        let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
+        broker::within(reply_timeout, "basic.qos", async {
+            qos.await.map_err(BrokerError::amqp("basic.qos"))
+        })
+        .await?;
+        let consume = channel.basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        let consumer = broker::within(reply_timeout, "basic.consume", async {
+            consume.await.map_err(BrokerError::amqp("basic.consume"))
+        })
+        .await?;
         Ok(Self {
             consumer,
             queue: queue.to_string(),
             prefetch,
             held: DelayQueue::new(),
+            reply_timeout,
             channel,
         })
     }
@@ -132,7 +140,8 @@ impl BatchSource {
 
     /// Messages ready in the consumed queue (a passive declare on this channel).
     async fn ready(&self) -> Result<u32, BrokerError> {
-        let state = broker::passive_declare(&self.channel, &self.queue).await?;
+        let declare = broker::passive_declare(&self.channel, &self.queue);
+        let state = broker::within(self.reply_timeout, "queue.declare", declare).await?;
         Ok(state.existing(&self.queue)?.messages)
     }
 
@@ -187,7 +196,8 @@ impl ConsumerSession {
         let conn = endpoint
             .connect(&format!("lapse {role} consume {prefix}"))
             .await?;
-        let source = match BatchSource::open(&conn, queue, prefetch).await {
+        let source = match BatchSource::open(&conn, queue, prefetch, endpoint.confirm_timeout).await
+        {
             Ok(source) => source,
             Err(e) => {
                 publishing.close().await;

@@ -42,6 +42,10 @@ pub enum BrokerError {
     ConnectTimeout { after: Duration },
     #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
     ConfirmTimeout { after: Duration },
+    #[error(
+        "no reply to `{op}` from the broker within {after:?} (the queue's leader moving or the node overloaded?); attaching again"
+    )]
+    ReplyTimeout { op: &'static str, after: Duration },
     #[error("the broker blocks publishing on this connection: {reason}")]
     Blocked { reason: String },
     #[error("publishing is unavailable: {reason}")]
@@ -84,6 +88,19 @@ impl BrokerError {
     pub fn amqp(op: &'static str) -> impl FnOnce(lapin::Error) -> Self {
         move |source| Self::Amqp { op, source }
     }
+}
+
+/// Waits for a broker reply for at most `after`: a method the broker never answers
+/// (a channel stuck behind a quorum queue whose leader died) must end the session
+/// rather than stall it.
+pub async fn within<T>(
+    after: Duration,
+    op: &'static str,
+    reply: impl std::future::Future<Output = Result<T, BrokerError>>,
+) -> Result<T, BrokerError> {
+    tokio::time::timeout(after, reply)
+        .await
+        .unwrap_or(Err(BrokerError::ReplyTimeout { op, after }))
 }
 
 impl crate::runtime::backoff::SessionError for BrokerError {
