@@ -40,6 +40,12 @@ pub struct QueueInfo {
     pub effective_policy_definition: Option<Value>,
     #[serde(default)]
     pub messages: Option<u64>,
+    #[serde(default)]
+    pub messages_ready: Option<u64>,
+    #[serde(default)]
+    pub messages_unacknowledged: Option<u64>,
+    #[serde(default)]
+    pub consumers: Option<u64>,
     /// Bytes the queue process uses (sampled by the management plugin).
     #[serde(default)]
     pub memory: Option<u64>,

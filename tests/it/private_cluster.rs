@@ -84,7 +84,14 @@ impl PrivateCluster {
 
     /// Every node's AMQP URL, comma-separated (a `broker.url` value).
     pub fn urls(&self) -> String {
-        (1..=self.nodes)
+        self.urls_from(1)
+    }
+
+    /// Every node's AMQP URL, node `first` first and the others after it in turn: a
+    /// client connects to `first` while it answers.
+    pub fn urls_from(&self, first: usize) -> String {
+        (0..self.nodes)
+            .map(|k| (first - 1 + k) % self.nodes + 1)
             .map(|i| {
                 format!(
                     "amqp://guest:guest@127.0.0.1:{}/%2f",
