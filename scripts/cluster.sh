@@ -76,10 +76,26 @@ EOF
     "$BIN/rabbitmq-server" -detached >"$d/start.out" 2>&1)
 }
 
+# True while the node's recorded process runs.
+alive() { # I
+  local pid
+  pid=$(cat "$DIR/node-$1/pid" 2>/dev/null || true)
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+}
+
+# Waits for node I to finish booting. A boot that died (say, started while epmd still
+# listed the killed node's name, on a loaded machine) is booted again, up to twice.
 await() { # I
-  local i=$1
-  for _ in $(seq 1 60); do
+  local i=$1 tries=0 reboots=0
+  while [ "$tries" -lt 60 ]; do
     if ctl "$i" await_startup --timeout 30 >/dev/null 2>&1; then return 0; fi
+    tries=$((tries + 1))
+    if [ "$tries" -ge 5 ] && [ "$reboots" -lt 2 ] && ! alive "$i"; then
+      log "node $(node "$i") is not running; booting it again"
+      cat "$DIR/node-$i/start.out" >&2 || true
+      reboots=$((reboots + 1)); tries=0
+      boot "$i"
+    fi
     sleep 1
   done
   log "node $(node "$i") did not start; log tail:"
@@ -160,11 +176,22 @@ node_stop() { # I
   fi
 }
 
+# SIGKILL, then wait (at most 30 s) until the process is gone and epmd no longer lists
+# the node, so that `node-start` right after it does not collide with the dead node.
 node_kill() { # I
-  local pid
+  local pid short
   pid=$(cat "$DIR/node-$1/pid" 2>/dev/null || true)
   [ -n "$pid" ] || { log "no pid recorded for node $1"; exit 1; }
   kill -9 "$pid"
+  short=$(node "$1"); short=${short%@*}
+  for _ in $(seq 1 300); do
+    if ! kill -0 "$pid" 2>/dev/null \
+      && ! { command -v epmd >/dev/null && epmd -names 2>/dev/null | grep -q "name $short "; }; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  log "node $(node "$1") still listed after SIGKILL"
 }
 
 stop() { # N
