@@ -153,10 +153,6 @@ impl Entry {
     }
 }
 
-/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
-/// close writes it, or any body with an integer `order_id` published as `release-N`.
-/// Anything else (say, an outbox row the relay parked as "not a timeout intent") is not
-/// a release, so replay never turns it into one.
 /// `s<k>-<id>` for shard `k` > 0, `<id>` for shard 0.
 pub fn sharded(shard: u16, id: String) -> String {
     match shard {
@@ -165,8 +161,14 @@ pub fn sharded(shard: u16, id: String) -> String {
     }
 }
 
-/// A stock-release event's order and shard (0 when the body names none; a shard that
-/// is not a small integer makes it unreadable rather than shard 0).
+/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
+/// close writes it, or any body with an integer `order_id` published as `release-N`
+/// (`s<k>-release-N` in shard `k`). Anything else (say, an outbox row the relay
+/// parked as "not a timeout intent") is not a release, so replay never turns it into
+/// one.
+///
+/// Also its shard: 0 when the body names none; a shard that is not a small integer
+/// makes the event unreadable rather than shard 0.
 fn release_order(body: &[u8], message_id: Option<&str>) -> Option<(i64, u16)> {
     let Value::Object(fields) = serde_json::from_slice::<Value>(body).ok()? else {
         return None;
