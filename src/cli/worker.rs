@@ -171,12 +171,7 @@ async fn migrate_shard_when_reachable(
                     tracing::error!(shard = shard.index, error = %e.detail(),
                         "migrations failed on database.shards[{}]", shard.index);
                 }
-                return Err(match e {
-                    db::DbError::Postgres(pg) => {
-                        in_shard(config, &format!("database.shards[{}]", shard.index), pg)
-                    }
-                    other => other.into(),
-                });
+                return Err(in_shard(config, shard.index, e));
             }
         };
         if config.database.sharded() {
@@ -216,22 +211,18 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `error` naming `key` when there are several order databases (with one, the
-/// failure names `database.url` as it always did).
-fn in_shard(config: &Config, key: &str, error: tokio_postgres::Error) -> anyhow::Error {
+/// `error` naming `database.shards[i]` when there are several order databases (with
+/// one, the failure names `database.url` as it always did).
+fn in_shard(config: &Config, shard: u16, error: db::DbError) -> anyhow::Error {
     match config.database.sharded() {
-        true => super::failure::InShard {
-            key: key.to_string(),
-            source: error,
-        }
-        .into(),
+        true => db::InShard::new(shard, error).into(),
         false => error.into(),
     }
 }
 
 async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::Result<()> {
     let key = match config.database.sharded() {
-        true => format!("database.shards[{}]", shard.index),
+        true => db::shard_key(shard.index),
         false => "database.url".to_string(),
     };
     let mut pg = db::pg_config(&shard.url)?;
@@ -240,23 +231,29 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         Ok(pair) => pair,
         Err(db::DbError::Postgres(e)) => {
             return match super::failure::database(&e) {
-                Some(f) if f.status == ExitStatus::Usage => Err(in_shard(config, &key, e)),
+                Some(f) if f.status == ExitStatus::Usage => {
+                    Err(in_shard(config, shard.index, e.into()))
+                }
                 _ => {
-                    tracing::warn!(error = %db::DbError::Postgres(e).detail(), "the database does not answer yet; the components retry");
+                    tracing::warn!(database = %key, error = %db::DbError::Postgres(e).detail(),
+                        "the database does not answer yet; the components retry");
                     Ok(())
                 }
             };
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(in_shard(config, shard.index, e)),
     };
     let driver = tokio::spawn(connection);
+    // The connection may still drop (or the query fail): the error names the shard.
+    let named = |e: tokio_postgres::Error| in_shard(config, shard.index, e.into());
     let row = client
         .query_one(
             "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
             &[],
         )
-        .await?;
-    let schema: bool = row.try_get("has_schema")?;
+        .await
+        .map_err(named)?;
+    let schema: bool = row.try_get("has_schema").map_err(named)?;
     drop(client);
     let _ = driver.await;
     if !schema {

@@ -14,7 +14,7 @@ use crate::config::{DatabaseConfig, Secret};
 refinery::embed_migrations!("migrations");
 
 mod shards;
-pub use shards::{Pools, migrate_shards};
+pub use shards::{InShard, Pools, migrate_shards, shard_key};
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
 const MIGRATION_LOCK: i64 = 0x006c_6170_7365;

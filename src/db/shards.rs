@@ -1,4 +1,5 @@
-//! Several order databases: one pool per shard, and migrations applied to each.
+//! Several order databases: one pool per shard, migrations applied to each, and errors
+//! that name the shard's key.
 
 use std::sync::Arc;
 
@@ -62,4 +63,28 @@ pub async fn migrate_shards(
         .map(|shard| super::migrate_with_settings(&shard.url, settings));
     let results = futures_util::future::join_all(runs).await;
     shards.into_iter().zip(results).collect()
+}
+
+/// The configuration key of shard `index`: what an error names (the URL is a secret).
+pub fn shard_key(index: u16) -> String {
+    format!("database.shards[{index}]")
+}
+
+/// An error of one of several order databases, naming it by its key
+/// (`database.shards[i]`) instead of `database.url`.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {source}")]
+pub struct InShard {
+    pub key: String,
+    #[source]
+    pub source: DbError,
+}
+
+impl InShard {
+    pub fn new(shard: u16, source: DbError) -> Self {
+        Self {
+            key: shard_key(shard),
+            source,
+        }
+    }
 }
