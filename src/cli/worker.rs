@@ -78,10 +78,14 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     };
     let token = shutdown::on_signal();
     if config.worker.migrate_on_start {
-        if !migrate_when_reachable(&config, &token).await? {
-            return Ok(ExitStatus::Ok);
+        // With shards, `Service::start` migrates them (one that does not answer in the
+        // background); the one database is waited for here.
+        if !config.database.sharded() {
+            if !migrate_when_reachable(&config, &token).await? {
+                return Ok(ExitStatus::Ok);
+            }
+            config.worker.migrate_on_start = false;
         }
-        config.worker.migrate_on_start = false;
     } else {
         check_database(&config).await?;
     }
@@ -134,58 +138,24 @@ fn uses_database(config: &Config) -> bool {
     w.consumer || w.relay || w.releaser || w.sweeper
 }
 
-/// Applies the migrations to every shard (all at once), each waiting with back-off
-/// while its database does not answer (or answers that it is starting up); any other
-/// failure (refused credentials, a failed migration) is an error, naming the shard when
-/// there are shards. False when a signal came first.
+/// Applies the migrations to the one order database, waiting with back-off while it
+/// does not answer (or answers that it is starting up); any other failure (refused
+/// credentials, a failed migration) is an error. False when a signal came first. (Several
+/// order databases are migrated by [`Service::start`]: one that does not answer must
+/// not hold back the others, see `runtime::migrations`.)
 async fn migrate_when_reachable(
     config: &Config,
     token: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<bool> {
     let settings = db::Settings::from_config(config);
-    let shards = config.database.shard_list();
-    let runs = shards
-        .iter()
-        .map(|shard| migrate_shard_when_reachable(config, shard, &settings, token));
-    let mut reached = true;
-    for result in futures_util::future::join_all(runs).await {
-        reached &= result?;
-    }
-    Ok(reached)
-}
-
-async fn migrate_shard_when_reachable(
-    config: &Config,
-    shard: &crate::config::Shard,
-    settings: &db::Settings,
-    token: &tokio_util::sync::CancellationToken,
-) -> anyhow::Result<bool> {
-    let name = config.database.per_shard("database", shard.index);
     let mut delay = std::time::Duration::from_millis(500);
     loop {
-        let error = match db::migrate_with_settings(&shard.url, settings).await {
+        let error = match db::migrate_with_settings(&config.database.url, &settings).await {
             Ok(_) => return Ok(true),
             Err(e) if e.is_transient() => e.detail(),
-            Err(e) => {
-                if config.database.sharded() {
-                    tracing::error!(shard = shard.index, error = %e.detail(),
-                        "migrations failed on database.shards[{}]", shard.index);
-                }
-                return Err(in_shard(config, shard.index, e));
-            }
+            Err(e) => return Err(e.into()),
         };
-        if config.database.sharded() {
-            // One order database that does not answer must not keep the others'
-            // components from starting: its own retry with back-off and show it on
-            // /health; it is migrated by the next start or `lapse migrate`.
-            tracing::warn!(database = %name, error = %error,
-                "database.shards[{}] does not answer; starting without migrating it \
-                 (its components wait for it; run `lapse migrate` once it answers)",
-                shard.index);
-            return Ok(true);
-        }
         tracing::warn!(
-            database = %name,
             error = %error,
             retry_in_ms = delay.as_millis() as u64,
             "migrations wait for the database"

@@ -11,6 +11,8 @@ use tokio::net::TcpStream;
 /// What the proxy does with each connection.
 #[derive(Clone, Copy, Debug)]
 pub enum Mode {
+    /// Forwards both ways until either side closes.
+    Forward,
     /// Forwards the login, then closes the connection once the server said it is
     /// ready for the first query.
     CutAfterLogin,
@@ -84,10 +86,14 @@ async fn accept(listener: tokio::net::TcpListener, mode: Mode) {
             continue;
         };
         tokio::spawn(async move {
-            let Ok(server) = TcpStream::connect(upstream()).await else {
+            let Ok(mut server) = TcpStream::connect(upstream()).await else {
                 return;
             };
             match mode {
+                Mode::Forward => {
+                    let mut client = client;
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
                 Mode::CutAfterLogin => cut_after_login(client, server).await,
             }
         });
