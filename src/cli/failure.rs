@@ -8,6 +8,7 @@ use super::ExitStatus;
 use crate::amqp::broker::BrokerError;
 use crate::amqp::management::ManagementError;
 use crate::config::ConfigError;
+use crate::db::InShard;
 use crate::redact::redact;
 use crate::runtime::backoff::SessionError;
 
@@ -52,25 +53,9 @@ pub fn is_usage(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// A database error of one of several order databases: the failure names `key`
-/// (`database.shards[i]`) instead of `database.url`.
-#[derive(Debug, thiserror::Error)]
-#[error("{key}: {source}")]
-pub struct InShard {
-    pub key: String,
-    #[source]
-    pub source: tokio_postgres::Error,
-}
-
 fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     if let Some(e) = cause.downcast_ref::<InShard>() {
-        return database(&e.source).map(|f| Failure {
-            status: f.status,
-            message: f
-                .message
-                .replace(" (or LAPSE_DATABASE__URL)", "")
-                .replace("database.url", &e.key),
-        });
+        return Some(in_shard(e));
     }
     if let Some(e) = cause.downcast_ref::<ConfigError>() {
         return Some(Failure::new(ExitStatus::Usage, e.to_string()));
@@ -96,6 +81,33 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
         return Some(management(e));
     }
     None
+}
+
+/// An error of one shard: what its cause means, naming `database.shards[i]` where the
+/// explanation names `database.url`; a cause lapse has no explanation for (a failed
+/// migration, say) is shown with the key in front.
+fn in_shard(e: &InShard) -> Failure {
+    let mut next = std::error::Error::source(e);
+    while let Some(cause) = next {
+        if let Some(f) = known(cause) {
+            let message = f
+                .message
+                .replace(" (or LAPSE_DATABASE__URL)", "")
+                .replace("database.url", &e.key);
+            return Failure {
+                status: f.status,
+                message: match message.contains(&e.key) {
+                    true => message,
+                    false => format!("{}: {message}", e.key),
+                },
+            };
+        }
+        next = cause.source();
+    }
+    let chain = std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |c| {
+        c.source()
+    });
+    Failure::new(ExitStatus::Failed, chain_text(chain))
 }
 
 /// A PostgreSQL error: refused login, missing database or schema, or no answer.
@@ -257,6 +269,34 @@ mod tests {
         let f = explain(&error);
         assert_eq!(f.status, ExitStatus::Usage);
         assert!(f.message.contains("broker.prefix"), "{}", f.message);
+    }
+
+    /// A shard's error names its key: an explained cause with `database.shards[i]` in
+    /// place of `database.url`, any other cause (a failed migration, say) with the key
+    /// in front.
+    #[test]
+    fn an_error_of_one_shard_names_its_key() {
+        use crate::db::DbError;
+        let timeout = deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait);
+        let error = anyhow::Error::new(InShard::new(2, DbError::Pool(timeout)));
+        let f = explain(&error);
+        assert_eq!(f.status, ExitStatus::Unreachable);
+        assert!(f.message.contains("database.shards[2]"), "{}", f.message);
+        assert!(!f.message.contains("database.url"), "{}", f.message);
+
+        let error = anyhow::Error::new(InShard::new(
+            1,
+            DbError::Unreadable("lapse_settings: no row".into()),
+        ))
+        .context("starting");
+        let f = explain(&error);
+        assert_eq!(f.status, ExitStatus::Failed);
+        assert!(
+            f.message
+                .contains("database.shards[1]: unreadable value: lapse_settings"),
+            "{}",
+            f.message
+        );
     }
 
     #[test]

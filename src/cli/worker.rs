@@ -78,10 +78,14 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     };
     let token = shutdown::on_signal();
     if config.worker.migrate_on_start {
-        if !migrate_when_reachable(&config, &token).await? {
-            return Ok(ExitStatus::Ok);
+        // With shards, `Service::start` migrates them (one that does not answer in the
+        // background); the one database is waited for here.
+        if !config.database.sharded() {
+            if !migrate_when_reachable(&config, &token).await? {
+                return Ok(ExitStatus::Ok);
+            }
+            config.worker.migrate_on_start = false;
         }
-        config.worker.migrate_on_start = false;
     } else {
         check_database(&config).await?;
     }
@@ -134,63 +138,24 @@ fn uses_database(config: &Config) -> bool {
     w.consumer || w.relay || w.releaser || w.sweeper
 }
 
-/// Applies the migrations to every shard (all at once), each waiting with back-off
-/// while its database does not answer (or answers that it is starting up); any other
-/// failure (refused credentials, a failed migration) is an error, naming the shard when
-/// there are shards. False when a signal came first.
+/// Applies the migrations to the one order database, waiting with back-off while it
+/// does not answer (or answers that it is starting up); any other failure (refused
+/// credentials, a failed migration) is an error. False when a signal came first. (Several
+/// order databases are migrated by [`Service::start`]: one that does not answer must
+/// not hold back the others, see `runtime::migrations`.)
 async fn migrate_when_reachable(
     config: &Config,
     token: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<bool> {
     let settings = db::Settings::from_config(config);
-    let shards = config.database.shard_list();
-    let runs = shards
-        .iter()
-        .map(|shard| migrate_shard_when_reachable(config, shard, &settings, token));
-    let mut reached = true;
-    for result in futures_util::future::join_all(runs).await {
-        reached &= result?;
-    }
-    Ok(reached)
-}
-
-async fn migrate_shard_when_reachable(
-    config: &Config,
-    shard: &crate::config::Shard,
-    settings: &db::Settings,
-    token: &tokio_util::sync::CancellationToken,
-) -> anyhow::Result<bool> {
-    let name = config.database.per_shard("database", shard.index);
     let mut delay = std::time::Duration::from_millis(500);
     loop {
-        let error = match db::migrate_with_settings(&shard.url, settings).await {
+        let error = match db::migrate_with_settings(&config.database.url, &settings).await {
             Ok(_) => return Ok(true),
             Err(e) if e.is_transient() => e.detail(),
-            Err(e) => {
-                if config.database.sharded() {
-                    tracing::error!(shard = shard.index, error = %e.detail(),
-                        "migrations failed on database.shards[{}]", shard.index);
-                }
-                return Err(match e {
-                    db::DbError::Postgres(pg) => {
-                        in_shard(config, &format!("database.shards[{}]", shard.index), pg)
-                    }
-                    other => other.into(),
-                });
-            }
+            Err(e) => return Err(e.into()),
         };
-        if config.database.sharded() {
-            // One order database that does not answer must not keep the others'
-            // components from starting: its own retry with back-off and show it on
-            // /health; it is migrated by the next start or `lapse migrate`.
-            tracing::warn!(database = %name, error = %error,
-                "database.shards[{}] does not answer; starting without migrating it \
-                 (its components wait for it; run `lapse migrate` once it answers)",
-                shard.index);
-            return Ok(true);
-        }
         tracing::warn!(
-            database = %name,
             error = %error,
             retry_in_ms = delay.as_millis() as u64,
             "migrations wait for the database"
@@ -216,22 +181,18 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `error` naming `key` when there are several order databases (with one, the
-/// failure names `database.url` as it always did).
-fn in_shard(config: &Config, key: &str, error: tokio_postgres::Error) -> anyhow::Error {
+/// `error` naming `database.shards[i]` when there are several order databases (with
+/// one, the failure names `database.url` as it always did).
+fn in_shard(config: &Config, shard: u16, error: db::DbError) -> anyhow::Error {
     match config.database.sharded() {
-        true => super::failure::InShard {
-            key: key.to_string(),
-            source: error,
-        }
-        .into(),
+        true => db::InShard::new(shard, error).into(),
         false => error.into(),
     }
 }
 
 async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::Result<()> {
     let key = match config.database.sharded() {
-        true => format!("database.shards[{}]", shard.index),
+        true => db::shard_key(shard.index),
         false => "database.url".to_string(),
     };
     let mut pg = db::pg_config(&shard.url)?;
@@ -240,23 +201,29 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         Ok(pair) => pair,
         Err(db::DbError::Postgres(e)) => {
             return match super::failure::database(&e) {
-                Some(f) if f.status == ExitStatus::Usage => Err(in_shard(config, &key, e)),
+                Some(f) if f.status == ExitStatus::Usage => {
+                    Err(in_shard(config, shard.index, e.into()))
+                }
                 _ => {
-                    tracing::warn!(error = %db::DbError::Postgres(e).detail(), "the database does not answer yet; the components retry");
+                    tracing::warn!(database = %key, error = %db::DbError::Postgres(e).detail(),
+                        "the database does not answer yet; the components retry");
                     Ok(())
                 }
             };
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(in_shard(config, shard.index, e)),
     };
     let driver = tokio::spawn(connection);
+    // The connection may still drop (or the query fail): the error names the shard.
+    let named = |e: tokio_postgres::Error| in_shard(config, shard.index, e.into());
     let row = client
         .query_one(
             "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
             &[],
         )
-        .await?;
-    let schema: bool = row.try_get("has_schema")?;
+        .await
+        .map_err(named)?;
+    let schema: bool = row.try_get("has_schema").map_err(named)?;
     drop(client);
     let _ = driver.await;
     if !schema {

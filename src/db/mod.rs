@@ -14,10 +14,10 @@ use crate::config::{DatabaseConfig, Secret};
 refinery::embed_migrations!("migrations");
 
 mod shards;
-pub use shards::{Pools, migrate_shards};
+pub use shards::{InShard, Pools, Schemas, migrate_shards, shard_key};
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
-const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
+pub const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -41,6 +41,11 @@ pub enum DbError {
     /// written before the deadline rules existed).
     #[error("unreadable value: {0}")]
     Unreadable(String),
+    /// A shard this worker has not migrated yet (it did not answer at start; its
+    /// migrations are retried in the background): treated like a database that is
+    /// away, so nothing touches its orders on an old schema.
+    #[error("{} is not migrated yet (worker.migrate_on_start retries it)", shard_key(*.0))]
+    NotMigrated(u16),
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -80,13 +85,21 @@ impl DbError {
     /// constraint violated by the data, a value that does not decode, a refusal.
     pub fn is_transient(&self) -> bool {
         match self {
-            DbError::Pool(_) => true,
-            DbError::Postgres(e) => match e.code() {
-                Some(code) => transient_sqlstate(code.code()),
-                None => e.is_closed() || caused_by_io(e) || is_client_timeout(e),
-            },
+            DbError::Pool(_) | DbError::NotMigrated(_) => true,
+            DbError::Postgres(e) => postgres_transient(e),
+            // A migration whose connection failed (refinery wraps the driver's error).
+            DbError::Migration(e) => std::error::Error::source(e)
+                .and_then(|s| s.downcast_ref::<tokio_postgres::Error>())
+                .is_some_and(postgres_transient),
             _ => false,
         }
+    }
+}
+
+fn postgres_transient(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        Some(code) => transient_sqlstate(code.code()),
+        None => e.is_closed() || caused_by_io(e) || is_client_timeout(e),
     }
 }
 
@@ -182,10 +195,19 @@ pub async fn connect(
     Ok(config.connect(NoTls).await?)
 }
 
+/// The connection settings of `url` for creating and migrating its database: a server
+/// that does not answer at all (packets dropped) fails within the pools' connect timeout
+/// instead of the system's, so a worker's start does not wait minutes for one shard.
+fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
+    let mut config = pg_config(url)?;
+    config.connect_timeout(Duration::from_secs(5));
+    Ok(config)
+}
+
 /// Creates the database named in `url` when it does not exist (connecting to the
 /// `postgres` database of the same server to do so).
 pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
-    let config = pg_config(url)?;
+    let config = migration_config(url)?;
     let Some(name) = config.get_dbname().map(str::to_string) else {
         return Ok(());
     };
@@ -257,7 +279,7 @@ pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<
 
 async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usize, DbError> {
     ensure_database(url).await?;
-    let (mut client, connection) = connect(&pg_config(url)?).await?;
+    let (mut client, connection) = connect(&migration_config(url)?).await?;
     let driver = tokio::spawn(connection);
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])

@@ -1,22 +1,30 @@
-//! Several order databases: one pool per shard, and migrations applied to each.
+//! Several order databases: one pool per shard, migrations applied to each, and errors
+//! that name the shard's key.
 
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
+use tokio::sync::watch;
 
 use super::{DbError, Settings};
 use crate::config::{DatabaseConfig, Shard};
 
 /// One pool per order database, indexed by shard (`database.shards[i]`, or
-/// `database.url` alone as shard 0).
+/// `database.url` alone as shard 0), and whether each shard's schema is migrated.
 #[derive(Clone)]
 pub struct Pools {
     pools: Arc<Vec<Pool>>,
+    schemas: Schemas,
 }
 
 impl Pools {
-    /// A pool of `size` connections (opened lazily) for every shard of `database`.
-    pub fn open(database: &DatabaseConfig, size: usize) -> Result<Self, DbError> {
+    /// A pool of `size` connections (opened lazily) for every shard of `database`; a
+    /// shard counts as migrated once `schemas` says so.
+    pub fn open(
+        database: &DatabaseConfig,
+        size: usize,
+        schemas: &Schemas,
+    ) -> Result<Self, DbError> {
         let pools = database
             .shard_list()
             .iter()
@@ -24,13 +32,33 @@ impl Pools {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             pools: Arc::new(pools),
+            schemas: schemas.clone(),
         })
     }
 
-    /// The one database of a configuration without shards (shard 0).
+    /// The one database of a configuration without shards (shard 0), migrated.
     pub fn single(pool: Pool) -> Self {
         Self {
             pools: Arc::new(vec![pool]),
+            schemas: Schemas::migrated(1),
+        }
+    }
+
+    /// The same pools, migrated as `schemas` says.
+    pub fn with_schemas(self, schemas: Schemas) -> Self {
+        Self { schemas, ..self }
+    }
+
+    /// The pool to work on `shard`'s orders with: an error when this configuration has
+    /// no such shard, or [`DbError::NotMigrated`] (transient) while its schema is not
+    /// migrated yet.
+    pub fn ready(&self, shard: u16) -> Result<&Pool, DbError> {
+        let pool = self
+            .get(shard)
+            .ok_or_else(|| DbError::Config(format!("no database for shard {shard}")))?;
+        match self.schemas.is_migrated(shard) {
+            true => Ok(pool),
+            false => Err(DbError::NotMigrated(shard)),
         }
     }
 
@@ -50,6 +78,56 @@ impl Pools {
     }
 }
 
+/// Whether each shard's schema is migrated: all of them unless the worker is still
+/// migrating some in the background (`worker.migrate_on_start` with a shard that did not
+/// answer at start). A shard's components wait for it ([`Schemas::wait`]); the consumer
+/// and the releaser treat a shard that is not migrated as away ([`Pools::ready`]).
+#[derive(Clone)]
+pub struct Schemas {
+    migrated: Arc<Vec<watch::Sender<bool>>>,
+}
+
+impl Schemas {
+    /// `shards` shards, all migrated.
+    pub fn migrated(shards: usize) -> Self {
+        Self::with_pending(shards, &[])
+    }
+
+    /// `shards` shards, migrated except those in `pending`.
+    pub fn with_pending(shards: usize, pending: &[u16]) -> Self {
+        let flags = (0..shards)
+            .map(|i| watch::Sender::new(!pending.iter().any(|p| usize::from(*p) == i)))
+            .collect();
+        Self {
+            migrated: Arc::new(flags),
+        }
+    }
+
+    /// True once `shard` is migrated (false for a shard there is no database for).
+    pub fn is_migrated(&self, shard: u16) -> bool {
+        self.migrated
+            .get(usize::from(shard))
+            .is_some_and(|flag| *flag.borrow())
+    }
+
+    /// Records that `shard` is migrated, waking whatever waits for it.
+    pub fn set_migrated(&self, shard: u16) {
+        if let Some(flag) = self.migrated.get(usize::from(shard)) {
+            flag.send_replace(true);
+        }
+    }
+
+    /// Returns once `shard` is migrated (never for a shard there is no database for).
+    pub async fn wait(&self, shard: u16) {
+        let Some(flag) = self.migrated.get(usize::from(shard)) else {
+            return std::future::pending().await;
+        };
+        let mut seen = flag.subscribe();
+        // The sender lives as long as `self`: waiting cannot fail.
+        let _ = seen.wait_for(|migrated| *migrated).await;
+    }
+}
+
 /// Applies pending migrations to every shard, all at once, then writes `settings` into
 /// each; returns each shard's result (how many migrations it applied, or why not).
 pub async fn migrate_shards(
@@ -62,4 +140,28 @@ pub async fn migrate_shards(
         .map(|shard| super::migrate_with_settings(&shard.url, settings));
     let results = futures_util::future::join_all(runs).await;
     shards.into_iter().zip(results).collect()
+}
+
+/// The configuration key of shard `index`: what an error names (the URL is a secret).
+pub fn shard_key(index: u16) -> String {
+    format!("database.shards[{index}]")
+}
+
+/// An error of one of several order databases, naming it by its key
+/// (`database.shards[i]`) instead of `database.url`.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {source}")]
+pub struct InShard {
+    pub key: String,
+    #[source]
+    pub source: DbError,
+}
+
+impl InShard {
+    pub fn new(shard: u16, source: DbError) -> Self {
+        Self {
+            key: shard_key(shard),
+            source,
+        }
+    }
 }

@@ -52,8 +52,9 @@ pub struct Entry {
     pub id: String,
     pub kind: Kind,
     pub order_id: Option<i64>,
-    /// The order database (`database.shards` index) a timeout or release belongs to.
-    pub shard: u16,
+    /// The order database (`database.shards` index) a timeout or release belongs to;
+    /// `None` (JSON `null`) for a body lapse cannot read: its shard is unknown, not 0.
+    pub shard: Option<u16>,
     pub deadline: Option<DateTime<Utc>>,
     pub deadline_version: Option<i32>,
     /// A timeout's database retries; otherwise the returns counted by lapse and the broker.
@@ -88,14 +89,14 @@ impl Entry {
                     format!("timeout-{}-v{}", m.order_id, m.deadline_version),
                 ),
                 Kind::Timeout,
-                m.shard,
+                Some(m.shard),
             ),
             (None, Some((order, shard))) => (
                 sharded(shard, format!("release-{order}")),
                 Kind::Release,
-                shard,
+                Some(shard),
             ),
-            (None, None) => (format!("raw-{:016x}", fnv1a(body)), Kind::Unreadable, 0),
+            (None, None) => (format!("raw-{:016x}", fnv1a(body)), Kind::Unreadable, None),
         };
         let exchange = delivery.exchange.to_string();
         let routing_key = delivery.routing_key.to_string();
@@ -153,10 +154,6 @@ impl Entry {
     }
 }
 
-/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
-/// close writes it, or any body with an integer `order_id` published as `release-N`.
-/// Anything else (say, an outbox row the relay parked as "not a timeout intent") is not
-/// a release, so replay never turns it into one.
 /// `s<k>-<id>` for shard `k` > 0, `<id>` for shard 0.
 pub fn sharded(shard: u16, id: String) -> String {
     match shard {
@@ -165,8 +162,14 @@ pub fn sharded(shard: u16, id: String) -> String {
     }
 }
 
-/// A stock-release event's order and shard (0 when the body names none; a shard that
-/// is not a small integer makes it unreadable rather than shard 0).
+/// The order of a stock-release event: a body `{"order_id": N, "lines": [...]}` as the
+/// close writes it, or any body with an integer `order_id` published as `release-N`
+/// (`s<k>-release-N` in shard `k`). Anything else (say, an outbox row the relay
+/// parked as "not a timeout intent") is not a release, so replay never turns it into
+/// one.
+///
+/// Also its shard: 0 when the body names none; a shard that is not a small integer
+/// makes the event unreadable rather than shard 0.
 fn release_order(body: &[u8], message_id: Option<&str>) -> Option<(i64, u16)> {
     let Value::Object(fields) = serde_json::from_slice::<Value>(body).ok()? else {
         return None;
@@ -328,6 +331,25 @@ mod tests {
         assert_eq!(release_order(b"not json", Some("release-7")), None);
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    /// An unreadable body's shard is unknown: `null` in `--json`, never shard 0 (which
+    /// would send an operator to the wrong database); a readable one has its shard.
+    #[test]
+    fn an_unreadable_body_has_no_shard() {
+        let names = Names::new("t");
+        let read = |body: &[u8]| {
+            let d = Delivery::mock(0, "t.parked".into(), "".into(), false, body.to_vec());
+            Entry::read(&d, &names)
+        };
+        let raw = read(b"\xff garbage");
+        assert_eq!(raw.kind, Kind::Unreadable);
+        assert_eq!(raw.shard, None);
+        let json = serde_json::to_value(&raw).unwrap();
+        assert_eq!(json.get("shard"), Some(&Value::Null), "{json}");
+        let release = read(br#"{"order_id": 7, "lines": []}"#);
+        assert_eq!((release.kind, release.shard), (Kind::Release, Some(0)));
+        assert_eq!(serde_json::to_value(&release).unwrap()["shard"], 0);
     }
 
     #[test]

@@ -95,8 +95,8 @@ impl Router {
     }
 
     fn target(&self, entry: &Entry) -> Result<(Target, Option<Tier>), String> {
-        match (entry.kind, &entry.timeout, entry.order_id) {
-            (Kind::Timeout, Some(message), _) => {
+        match (entry.kind, &entry.timeout, entry.order_id, entry.shard) {
+            (Kind::Timeout, Some(message), _, _) => {
                 let mut message = message.clone();
                 message.attempt = 0;
                 let remaining = message.remaining(Utc::now());
@@ -113,13 +113,13 @@ impl Router {
                     route.tier,
                 ))
             }
-            (Kind::Release, _, Some(order_id)) => {
+            (Kind::Release, _, Some(order_id), Some(shard)) => {
                 // The shard goes back with it, as the relay wrote it (absent for 0).
-                let body = match entry.shard {
+                let body = match shard {
                     0 => serde_json::json!({ "order_id": order_id }),
                     shard => serde_json::json!({ "order_id": order_id, "shard": shard }),
                 };
-                let message_id = super::entry::sharded(entry.shard, format!("release-{order_id}"));
+                let message_id = super::entry::sharded(shard, format!("release-{order_id}"));
                 Ok((
                     Target {
                         exchange: self.names.events_exchange(),
@@ -171,7 +171,7 @@ mod tests {
         let (target, _) = router.target(&entry).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&target.body).unwrap();
         assert_eq!(entry.id, "s2-release-7");
-        assert_eq!(entry.shard, 2);
+        assert_eq!(entry.shard, Some(2));
         assert_eq!(body["shard"], 2, "replayed body {body}");
         assert_eq!(body["order_id"], 7);
         assert_eq!(

@@ -19,9 +19,10 @@ use crate::components::relay::Relay;
 use crate::components::releaser::Releaser;
 use crate::components::sweeper::Sweeper;
 use crate::config::{Config, Shard};
-use crate::db::{self, DbError};
+use crate::db::{self, DbError, Schemas};
 use crate::observe::stats::Stats;
 use crate::runtime::health::Health;
+use crate::runtime::migrations;
 use crate::runtime::rate::RateLimiter;
 use crate::runtime::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
 use crate::tier::TierSet;
@@ -30,6 +31,9 @@ use crate::tier::TierSet;
 pub enum ServiceError {
     #[error(transparent)]
     Db(#[from] DbError),
+    /// An error of one of several order databases, naming `database.shards[i]`.
+    #[error("{0}")]
+    Shard(#[from] db::InShard),
     #[error("invalid configuration: {0}")]
     Config(#[from] crate::config::ConfigError),
     #[error("invalid configuration: broker.tls: {0}")]
@@ -59,18 +63,15 @@ impl Stopped {
 }
 
 impl Service {
-    /// Starts every component the configuration enables.
+    /// Starts every component the configuration enables, after the migrations of
+    /// `worker.migrate_on_start` (a shard that does not answer is migrated in the
+    /// background, its components waiting for it: [`migrations`]).
     pub async fn start(
         config: &Config,
         stats: Stats,
         token: CancellationToken,
     ) -> Result<Self, ServiceError> {
-        if config.worker.migrate_on_start {
-            let settings = db::Settings::from_config(config);
-            for (_, result) in db::migrate_shards(&config.database, &settings).await {
-                result?;
-            }
-        }
+        let migrations = migrations::at_start(config).await?;
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.
@@ -83,8 +84,10 @@ impl Service {
             supervisor: &mut supervisor,
             broker,
             health: health.clone(),
+            schemas: migrations.schemas,
         };
         start.components(config, tiers, stats)?;
+        start.migrations(config, migrations.pending);
         Ok(Self {
             supervisor,
             health,
@@ -118,6 +121,8 @@ struct Starter<'a> {
     supervisor: &'a mut Supervisor,
     broker: Endpoint,
     health: Health,
+    /// Which shards are migrated; the components of one that is not wait for it.
+    schemas: Schemas,
 }
 
 impl Starter<'_> {
@@ -148,7 +153,8 @@ impl Starter<'_> {
     ) -> Result<(), ServiceError> {
         let w = &config.worker;
         let database = &config.database;
-        let pools = || db::Pools::open(database, database.pool_size);
+        let schemas = self.schemas.clone();
+        let pools = || db::Pools::open(database, database.pool_size, &schemas);
         // Shared by the consumer and the sweepers: together they stay under the limit.
         let limiter = RateLimiter::new(w.closes_per_second);
         if w.consumer {
@@ -209,8 +215,15 @@ impl Starter<'_> {
         relay.component = leak(config.database.per_shard("relay", shard.index));
         relay.shard_label = config.database.sharded().then(|| shard.index.to_string());
         let (db_url, poll) = (shard.url.clone(), config.relay.poll_interval);
+        let (schemas, index) = (self.schemas.clone(), shard.index);
         self.add(relay.component, move |b, h, t| {
-            relay.clone().run(b, db_url.clone(), poll, h, t)
+            let (relay, db_url, schemas) = (relay.clone(), db_url.clone(), schemas.clone());
+            async move {
+                if !migrations::wait_migrated(&schemas, index, relay.component, &h, &t).await {
+                    return Ok(());
+                }
+                relay.run(b, db_url, poll, h, t).await
+            }
         });
         Ok(())
     }
@@ -234,14 +247,30 @@ impl Starter<'_> {
         };
         let name = leak(config.database.per_shard("sweeper", shard.index));
         let label = config.database.sharded().then(|| shard.index.to_string());
+        let (schemas, index) = (self.schemas.clone(), shard.index);
         self.add(name, move |_, h, t| {
-            let (sweeper, label) = (sweeper.clone(), label.clone());
+            let (sweeper, label, schemas) = (sweeper.clone(), label.clone(), schemas.clone());
             async move {
-                sweeper.run_as(name, label, h, t).await;
+                if migrations::wait_migrated(&schemas, index, name, &h, &t).await {
+                    sweeper.run_as(name, label, h, t).await;
+                }
                 Ok(())
             }
         });
         Ok(())
+    }
+
+    /// A `migrate.s<i>` component for each shard that did not answer at start: it
+    /// migrates that shard in the background, which lets its components start.
+    fn migrations(&mut self, config: &Config, pending: Vec<Shard>) {
+        let settings = db::Settings::from_config(config);
+        for shard in pending {
+            let name = leak(config.database.per_shard("migrate", shard.index));
+            let schemas = self.schemas.clone();
+            self.add(name, move |_, h, t| {
+                migrations::migrate_later(shard.clone(), settings, schemas.clone(), name, h, t)
+            });
+        }
     }
 }
 

@@ -22,6 +22,7 @@ mod locks;
 mod outage;
 mod parked;
 mod parked_replay;
+mod pg_proxy;
 mod pipeline;
 mod private_cluster;
 mod private_pg;

@@ -239,10 +239,22 @@ async fn purge_asks_for_yes_and_removes_only_the_selected() {
     )
     .await;
     park(&env, &timeout(2, expire_at, 1).encode(), "other").await;
-    let raw = list(&env)[0]["id"].as_str().unwrap().to_string();
+    let listed = list(&env);
+    let raw = listed[0]["id"].as_str().unwrap().to_string();
     assert!(raw.starts_with("raw-"), "{raw}");
+    // An unreadable body's shard is unknown (null), not shard 0; a timeout's is known.
+    assert_eq!(listed[0]["shard"], Value::Null, "{listed:?}");
+    assert_eq!(listed[1]["shard"], 0, "{listed:?}");
     let shown = json_out(&env.lapse(&["parked", "show", &raw, "--json"]));
     assert!(shown[0]["body"].as_str().unwrap().contains("garbage"));
+    assert_eq!(shown[0]["entry"]["shard"], Value::Null, "{shown}");
+    let text = stdout(&env.lapse(&["parked", "show", &raw]));
+    let shard_line = text.lines().find(|l| l.trim_start().starts_with("shard "));
+    assert_eq!(
+        shard_line.map(|l| l.split_whitespace().collect::<Vec<_>>()),
+        Some(vec!["shard", "-"]),
+        "{text}"
+    );
     let replay = env.lapse(&["parked", "replay", &raw]);
     assert_eq!(
         replay.status.code(),

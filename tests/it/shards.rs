@@ -3,6 +3,8 @@
 //! orders spread over them, one worker holding a pool per shard. The stopped shard is
 //! the first, so that work handled shard by shard in order would wait behind it.
 
+mod at_start;
+
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};

@@ -117,21 +117,26 @@ pub struct Topology {
 
 /// The queue argument that sets how many nodes a new quorum queue is replicated on.
 /// The broker uses it only when it creates the queue, and refuses a redeclare with
-/// another value, so `apply` keeps what an existing queue has and `verify` compares
-/// the live members with the target instead of the argument.
+/// another value. So `apply` (and the redeclare of `verify`) accepts an existing queue
+/// with any value of it or none: it declares again with the broker's value, or without
+/// the argument. `verify` compares the live members with the target instead; with the
+/// management API the stored argument is not compared either.
 pub const GROUP_SIZE_ARG: &str = "x-quorum-initial-group-size";
 
 /// The queue argument that places a new quorum queue's leader; `balanced` puts it on
 /// the node with the fewest leaders, so that on a cluster the tiers, the due queue and
 /// the stock-release queue (each one leader process, each its own dead-letter or
 /// consumer load) spread over the nodes instead of all landing on the node `apply`
-/// happened to connect to. Like the group size it only counts at creation, so `apply`
-/// keeps what an existing queue has (queues created before lapse set it keep their
-/// leaders; `rabbitmq-queues rebalance quorum` moves those) and `verify` ignores it.
+/// happened to connect to. It only counts at creation too, but unlike the group size
+/// only its absence is accepted: `apply` and `verify` take an existing queue without it
+/// as it is (created before lapse set it; it keeps its leader, and `rabbitmq-queues
+/// rebalance quorum` moves those), and report any value other than
+/// [`LEADER_LOCATOR`] as drift.
 pub const LEADER_LOCATOR_ARG: &str = "x-queue-leader-locator";
 pub const LEADER_LOCATOR: &str = "balanced";
 
-/// Arguments that only count when the broker creates the queue (see above).
+/// Arguments that only count when the broker creates the queue (see above for what an
+/// existing queue may have of each).
 pub const CREATE_ONLY_ARGS: [&str; 2] = [GROUP_SIZE_ARG, LEADER_LOCATOR_ARG];
 
 /// The default group size: every node of the cluster, at most this many.

@@ -116,10 +116,10 @@ struct Snapshot {
 impl Decider {
     /// Decides every message of a batch; also returns the orders it closed, with their
     /// shard. The messages of each shard are read and closed in that shard's own
-    /// transaction, all shards at once: a shard whose database is away takes the
-    /// database-away path (re-delay with `attempt + 1`, park after `max_attempts`)
-    /// while the others close. A message naming a shard this worker has no database
-    /// for is parked with the reason.
+    /// transaction, all shards at once: a shard whose database is away (or not
+    /// migrated yet) takes the database-away path (re-delay with `attempt + 1`, park
+    /// after `max_attempts`) while the others close. A message naming a shard this
+    /// worker has no database for is parked with the reason.
     pub async fn decide(
         &self,
         messages: &[Result<TimeoutMessage, DecodeError>],
@@ -180,10 +180,8 @@ impl Decider {
         messages: &[&TimeoutMessage],
     ) -> Result<Snapshot, DbError> {
         let ids: Vec<i64> = messages.iter().map(|m| m.order_id).collect();
-        let pool = self
-            .pools
-            .get(shard)
-            .ok_or_else(|| DbError::Config(self.unknown_shard(shard)))?;
+        // A shard not migrated yet is away: nothing reads or closes on its old schema.
+        let pool = self.pools.ready(shard)?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         let rows = tx

@@ -117,6 +117,44 @@ async fn an_unknown_shard_and_an_undecodable_body_are_parked_with_the_reason() {
     );
 }
 
+/// A shard whose schema is not migrated yet is away: its delivery takes the
+/// database-away path (re-delayed with `attempt + 1`, parked after the last attempt
+/// naming why) and nothing is read on its old schema (the reason would otherwise be
+/// this decider's unreachable database).
+#[tokio::test]
+async fn a_shard_not_migrated_yet_is_away() {
+    let mut d = decider();
+    d.pools = d
+        .pools
+        .clone()
+        .with_schemas(db::Schemas::with_pending(1, &[0]));
+    let mut m = TimeoutMessage::new(7, now(), 1);
+    let (actions, closed) = d.decide(&[Ok(m.clone())]).await;
+    assert!(closed.is_empty());
+    assert!(
+        matches!(
+            &actions[0],
+            Action::Publish { outcome: Outcome::Retried, message, .. } if message.attempt == 1
+        ),
+        "{:?}",
+        actions[0]
+    );
+    m.attempt = d.max_attempts;
+    let (actions, _) = d.decide(&[Ok(m)]).await;
+    let Action::Park {
+        reason,
+        kind: "database_unavailable",
+        ..
+    } = &actions[0]
+    else {
+        panic!("expected a database_unavailable park, got {:?}", actions[0]);
+    };
+    assert!(
+        reason.contains("database.shards[0] is not migrated yet"),
+        "{reason}"
+    );
+}
+
 #[test]
 fn counters_carried_in_messages_saturate() {
     let d = decider();

@@ -159,14 +159,14 @@ impl Consumer {
 
     /// Best effort: the timeline is for people, the decision never depends on it.
     /// Each hop goes to its order's shard; none to a shard in `away` (its database
-    /// failed in this batch).
+    /// failed in this batch) or not migrated yet.
     pub(super) async fn record_hops(&self, hops: &[Hop], away: &BTreeSet<u16>) {
         let mut by_shard: std::collections::BTreeMap<u16, Vec<Hop>> = Default::default();
         for hop in hops.iter().filter(|h| !away.contains(&h.shard)) {
             by_shard.entry(hop.shard).or_default().push(hop.clone());
         }
         for (shard, hops) in by_shard {
-            let Some(pool) = self.decider.pools.get(shard) else {
+            let Ok(pool) = self.decider.pools.ready(shard) else {
                 continue;
             };
             let Ok(client) = pool.get().await else {

@@ -64,10 +64,9 @@ impl Releaser {
     /// transaction holds (returned as `held`, nothing done for them).
     // Over 60 lines on purpose: one transaction whose lock order (order rows, then stock in SKU order) must be visible in one place.
     pub async fn release(&self, shard: u16, order_ids: &[i64]) -> Result<ReleaseOutcome, DbError> {
-        let pool = self
-            .pools
-            .get(shard)
-            .ok_or_else(|| DbError::Config(format!("no database for shard {shard}")))?;
+        // A shard not migrated yet is away (held and tried again), never released on
+        // its old schema.
+        let pool = self.pools.ready(shard)?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         // Order rows first, without waiting for one another transaction holds; in the
