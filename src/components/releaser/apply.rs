@@ -62,7 +62,6 @@ fn lock_sql() -> String {
 impl Releaser {
     /// Applies the releases of these orders of `shard`, except those whose row another
     /// transaction holds (returned as `held`, nothing done for them).
-    // Over 60 lines on purpose: one transaction whose lock order (order rows, then stock in SKU order) must be visible in one place.
     pub async fn release(&self, shard: u16, order_ids: &[i64]) -> Result<ReleaseOutcome, DbError> {
         // A shard not migrated yet is away (held and tried again), never released on
         // its old schema.
