@@ -96,10 +96,15 @@ pub enum Command {
             "lapse order create --expires-in 30m --line apple:2",
             "lapse order pay 42",
             "lapse order show 42 --json",
+            "lapse order --shard 2 show 42",
         ],
         &[help::OK, (1, "the request was refused"), help::USAGE_DB, help::UNREACHABLE],
     ))]
     Order {
+        /// The order database to work on: an index into database.shards (0, the first,
+        /// by default; with database.url alone only 0 exists).
+        #[arg(long, value_name = "I", default_value_t = 0, global = true)]
+        shard: u16,
         #[command(subcommand)]
         action: order::OrderCommand,
     },
@@ -164,7 +169,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Migrate(args) => migrate::run(&config, args).await,
         Command::Worker(args) => worker::run(config, args).await,
         Command::Demo(args) => demo::run(config, args).await,
-        Command::Order { action } => order::run(&config, action).await,
+        Command::Order { shard, action } => order::run(&config, shard, action).await,
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),
         Command::Parked { action } => parked::run(&config, action).await,

@@ -110,10 +110,17 @@ pub enum OrderCommand {
 /// Orders created per transaction by `create --count`.
 const CREATE_CHUNK: u32 = 500;
 
-pub async fn run(config: &Config, command: OrderCommand) -> anyhow::Result<ExitStatus> {
-    // With shards, `lapse order` works on shard 0 (database.shards[0]).
-    let shard0 = config.database.shard_list().remove(0);
-    let pool = db::pool(&config.database.for_shard(&shard0), 1)?;
+pub async fn run(config: &Config, shard: u16, command: OrderCommand) -> anyhow::Result<ExitStatus> {
+    let shards = config.database.shard_list();
+    let Some(chosen) = shards.iter().find(|s| s.index == shard) else {
+        eprintln!(
+            "--shard {shard}: no such order database ({} configured, so --shard takes 0 to {})",
+            shards.len(),
+            shards.len() - 1
+        );
+        return Ok(ExitStatus::Usage);
+    };
+    let pool = db::pool(&config.database.for_shard(chosen), 1)?;
     let mut client = pool.get().await?;
     match command {
         OrderCommand::Create {

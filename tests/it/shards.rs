@@ -488,3 +488,59 @@ async fn held_release_events_of_two_shards_are_each_released_in_their_own_shard(
         "shard 1's order released (its event was acknowledged: queue {q:?})"
     );
 }
+
+/// `lapse order --shard I` works on `database.shards[I]`: an order created there is
+/// in that database and no other, `show` finds it only there, and a shard that is not
+/// configured is a usage error (exit 2) naming the range.
+#[tokio::test]
+async fn order_commands_work_on_the_shard_named() {
+    let env = TestEnv::new(&["1s"]).await;
+    let dbs = Databases::new(&["o0", "o1"]);
+    let urls = dbs.urls();
+    env.write_config(&format!(
+        "[database]\nshards = [{:?}, {:?}]\n",
+        urls[0], urls[1]
+    ));
+    let migrated = env.lapse(&["migrate"]);
+    assert!(
+        migrated.status.success(),
+        "{}",
+        crate::helpers::stderr(&migrated)
+    );
+    let created = env.lapse(&[
+        "order",
+        "--shard",
+        "1",
+        "create",
+        "--expires-in",
+        "10m",
+        "--line",
+        "tea:2",
+        "--json",
+    ]);
+    assert!(
+        created.status.success(),
+        "{}",
+        crate::helpers::stderr(&created)
+    );
+    let ids: Vec<i64> = serde_json::from_slice(&created.stdout).unwrap();
+    let (db0, db1) = (connect(&urls[0]).await, connect(&urls[1]).await);
+    assert_eq!(count(&db0, "SELECT count(*) FROM orders").await, 0);
+    assert_eq!(count(&db1, "SELECT count(*) FROM orders").await, 1);
+    let id = ids[0].to_string();
+    let shown = env.lapse(&["order", "show", &id, "--shard", "1", "--json"]);
+    assert!(shown.status.success(), "{}", crate::helpers::stderr(&shown));
+    let order: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(order["status"], "UNPAID", "{order}");
+    // Shard 0 has no such order (exit 1).
+    assert_eq!(env.lapse(&["order", "show", &id]).status.code(), Some(1));
+    let missing = env.lapse(&["order", "--shard", "2", "show", &id]);
+    assert_eq!(missing.status.code(), Some(2));
+    let stderr = crate::helpers::stderr(&missing);
+    assert!(
+        stderr.contains("--shard 2") && stderr.contains("0 to 1"),
+        "{stderr}"
+    );
+    drop(dbs);
+    env.cleanup().await;
+}
