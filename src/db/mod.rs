@@ -46,6 +46,12 @@ pub enum DbError {
     /// away, so nothing touches its orders on an old schema.
     #[error("{} is not migrated yet (worker.migrate_on_start retries it)", shard_key(*.0))]
     NotMigrated(u16),
+    /// A server that accepted the connection but did not complete the login in time
+    /// (a frozen server, a proxy in front of a dead one).
+    #[error(
+        "the database server accepted the connection but did not complete the login within {after:?}"
+    )]
+    NoAnswer { after: Duration },
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -85,7 +91,7 @@ impl DbError {
     /// constraint violated by the data, a value that does not decode, a refusal.
     pub fn is_transient(&self) -> bool {
         match self {
-            DbError::Pool(_) | DbError::NotMigrated(_) => true,
+            DbError::Pool(_) | DbError::NotMigrated(_) | DbError::NoAnswer { .. } => true,
             DbError::Postgres(e) => postgres_transient(e),
             // A migration whose connection failed (refinery wraps the driver's error).
             DbError::Migration(e) => std::error::Error::source(e)
@@ -195,13 +201,44 @@ pub async fn connect(
     Ok(config.connect(NoTls).await?)
 }
 
+/// How long creating or migrating a database waits for the TCP connect, and then for
+/// the login.
+const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The connection settings of `url` for creating and migrating its database: a server
-/// that does not answer at all (packets dropped) fails within the pools' connect timeout
-/// instead of the system's, so a worker's start does not wait minutes for one shard.
+/// that does not answer at all (packets dropped) fails within
+/// [`MIGRATION_CONNECT_TIMEOUT`] instead of the system's connect timeout, and one that
+/// vanishes mid-way (no ACKs) within a minute through TCP keepalives and the user
+/// timeout, so a worker's start does not wait minutes for one shard. A migration that
+/// runs long, or waits for another worker's migration lock, is not cut short.
 fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
     let mut config = pg_config(url)?;
-    config.connect_timeout(Duration::from_secs(5));
+    config
+        .connect_timeout(MIGRATION_CONNECT_TIMEOUT)
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(15))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3)
+        .tcp_user_timeout(Duration::from_secs(60));
     Ok(config)
+}
+
+/// [`connect`] for creating or migrating a database: the login, too, is bounded by
+/// [`MIGRATION_CONNECT_TIMEOUT`] (a server that accepts the connection and then says
+/// nothing).
+async fn migration_connect(
+    config: &tokio_postgres::Config,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
+    ),
+    DbError,
+> {
+    let after = MIGRATION_CONNECT_TIMEOUT * 2;
+    tokio::time::timeout(after, connect(config))
+        .await
+        .unwrap_or(Err(DbError::NoAnswer { after }))
 }
 
 /// Creates the database named in `url` when it does not exist (connecting to the
@@ -211,12 +248,15 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
     let Some(name) = config.get_dbname().map(str::to_string) else {
         return Ok(());
     };
-    if connect(&config).await.is_ok() {
-        return Ok(());
+    match migration_connect(&config).await {
+        Ok(_) => return Ok(()),
+        // A server that says nothing would say nothing to the admin connection too.
+        Err(e @ DbError::NoAnswer { .. }) => return Err(e),
+        Err(_) => {}
     }
     let mut admin = config.clone();
     admin.dbname("postgres");
-    let (client, connection) = connect(&admin).await?;
+    let (client, connection) = migration_connect(&admin).await?;
     tokio::spawn(connection);
     let exists = client
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
@@ -279,7 +319,7 @@ pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<
 
 async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usize, DbError> {
     ensure_database(url).await?;
-    let (mut client, connection) = connect(&migration_config(url)?).await?;
+    let (mut client, connection) = migration_connect(&migration_config(url)?).await?;
     let driver = tokio::spawn(connection);
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])

@@ -27,7 +27,10 @@ pub struct AtStart {
 /// answer already). With several, a shard whose database does not answer (a transient
 /// error) is left pending and the others' components start; any other failure (refused
 /// credentials, a failed migration) stops the start, naming `database.shards[i]`.
-pub async fn at_start(config: &Config) -> Result<AtStart, ServiceError> {
+///
+/// A shutdown requested meanwhile ends the wait: every shard not yet migrated is then
+/// left pending, and the components, started with a cancelled token, stop at once.
+pub async fn at_start(config: &Config, token: &CancellationToken) -> Result<AtStart, ServiceError> {
     let database = &config.database;
     let shards = database.shard_list().len();
     if !config.worker.migrate_on_start {
@@ -37,16 +40,27 @@ pub async fn at_start(config: &Config) -> Result<AtStart, ServiceError> {
         });
     }
     let settings = db::Settings::from_config(config);
+    let results = tokio::select! {
+        results = db::migrate_shards(database, &settings) => results,
+        () = token.cancelled() => {
+            let all: Vec<u16> = (0..shards).filter_map(|i| u16::try_from(i).ok()).collect();
+            return Ok(AtStart {
+                schemas: Schemas::with_pending(shards, &all),
+                pending: Vec::new(),
+            });
+        }
+    };
     let (mut pending, mut failed) = (Vec::new(), None);
-    for (shard, result) in db::migrate_shards(database, &settings).await {
+    for (shard, result) in results {
         let key = db::shard_key(shard.index);
         match result {
             Ok(_) => {}
             Err(e) if !database.sharded() => return Err(e.into()),
             Err(e) if e.is_transient() => {
                 tracing::warn!(database = %key, error = %e.detail(),
-                    "the shard does not answer; starting without it: it is migrated in the \
-                     background, and its relay and sweeper wait until then");
+                    "the shard's migrations failed transiently (not answering, a lock or \
+                     statement timeout, a read-only server); starting without it: it is \
+                     migrated in the background, and its relay and sweeper wait until then");
                 pending.push(shard);
             }
             Err(e) => {
@@ -93,7 +107,7 @@ pub async fn migrate_later(
             }
             Err(e) if e.is_transient() => {
                 tracing::warn!(database = %key, error = %e.detail(),
-                    "the shard does not answer yet; its migrations are tried again");
+                    "the shard's migrations failed transiently; they are tried again");
                 health.down(component, e.detail());
                 backoff.sleep(&token).await;
                 if token.is_cancelled() {

@@ -71,7 +71,7 @@ impl Service {
         stats: Stats,
         token: CancellationToken,
     ) -> Result<Self, ServiceError> {
-        let migrations = migrations::at_start(config).await?;
+        let migrations = migrations::at_start(config, &token).await?;
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.

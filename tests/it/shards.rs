@@ -544,3 +544,39 @@ async fn order_commands_work_on_the_shard_named() {
     drop(dbs);
     env.cleanup().await;
 }
+
+/// A server that accepts the connection and then says nothing (a frozen server, a
+/// proxy in front of a dead one) does not hang `lapse migrate`: the login is bounded,
+/// the other shard is migrated, and the error names the silent one.
+#[tokio::test]
+async fn migrate_gives_up_on_a_server_that_accepts_but_never_answers() {
+    let env = TestEnv::new(&["1s"]).await;
+    let shard0 = Databases::new(&["n0"]);
+    // Never accepted by the test: the kernel completes the handshake, nobody answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!(
+        "postgres://postgres@127.0.0.1:{}/x",
+        silent.local_addr().unwrap().port()
+    );
+    env.write_config(&format!(
+        "[database]\nshards = [{:?}, {silent_url:?}]\n",
+        shard0.urls()[0]
+    ));
+    let started = std::time::Instant::now();
+    let out = env.lapse(&["migrate"]);
+    let (stdout, stderr) = (crate::helpers::stdout(&out), crate::helpers::stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("shard 0: "), "{stdout}");
+    assert!(
+        stderr.contains("database.shards[1]") && stderr.contains("did not complete the login"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(90),
+        "took {:?}",
+        started.elapsed()
+    );
+    drop(silent);
+    drop(shard0);
+    env.cleanup().await;
+}
