@@ -116,7 +116,12 @@ impl BatchSource {
                         idle_with_ready = 0;
                         continue;
                     }
-                    let ready = self.ready().await?;
+                    // Shutdown is watched meanwhile (the declare may wait up to the
+                    // reply timeout).
+                    let ready = tokio::select! {
+                        _ = token.cancelled() => return Ok(None),
+                        ready = self.ready() => ready?,
+                    };
                     idle_with_ready = if ready > 0 { idle_with_ready + 1 } else { 0 };
                     if idle_with_ready >= 2 {
                         return Err(BrokerError::ConsumerSilent { queue: self.queue.clone(), ready });

@@ -108,7 +108,8 @@ pub struct PublishingConnection {
 }
 
 impl PublishingConnection {
-    /// Connects as `name` and opens a confirm channel.
+    /// Connects as `name` and opens a confirm channel (that step bounded by the confirm
+    /// timeout; the connect has its own bound).
     pub async fn open(
         endpoint: &Endpoint,
         name: &str,
@@ -117,7 +118,13 @@ impl PublishingConnection {
     ) -> Result<Self, BrokerError> {
         let conn = endpoint.connect(name).await?;
         let watch = BlockedWatch::start(&conn, name, component, health);
-        let publisher = Some(endpoint.publisher(&conn).await?);
+        let publisher = match bounded(endpoint, endpoint.publisher(&conn)).await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                broker::close_quietly(&conn, "confirm channel failed to open").await;
+                return Err(e);
+            }
+        };
         Ok(Self {
             endpoint: endpoint.clone(),
             name: name.to_string(),
