@@ -47,6 +47,8 @@ count() {
 boot() { # I
   local i=$1 d="$DIR/node-$1"
   mkdir -p "$d/mnesia" "$d/log"
+  # The old pid would make a dead boot look alive (`alive`) until the node writes its own.
+  rm -f "$d/pid"
   cat >"$d/rabbitmq.conf" <<EOF
 listeners.tcp.default = 127.0.0.1:$(amqp_port "$i")
 management.tcp.ip = 127.0.0.1
@@ -182,16 +184,23 @@ node_kill() { # I
   local pid short
   pid=$(cat "$DIR/node-$1/pid" 2>/dev/null || true)
   [ -n "$pid" ] || { log "no pid recorded for node $1"; exit 1; }
-  kill -9 "$pid"
+  kill -9 "$pid" 2>/dev/null || { log "node $(node "$1") (pid $pid) was not running"; return 0; }
   short=$(node "$1"); short=${short%@*}
   for _ in $(seq 1 300); do
-    if ! kill -0 "$pid" 2>/dev/null \
-      && ! { command -v epmd >/dev/null && epmd -names 2>/dev/null | grep -q "name $short "; }; then
+    if kill -0 "$pid" 2>/dev/null; then
+      sleep 0.1 # not yet reaped
+    elif command -v epmd >/dev/null && epmd -names 2>/dev/null | grep -q "name $short "; then
+      sleep 0.1 # still registered
+    else
       return 0
     fi
-    sleep 0.1
   done
-  log "node $(node "$1") still listed after SIGKILL"
+  if kill -0 "$pid" 2>/dev/null; then
+    log "node $(node "$1") (pid $pid) still exists 30 s after SIGKILL"
+  else
+    log "node $(node "$1") is still registered in epmd 30 s after SIGKILL"
+  fi
+  exit 1
 }
 
 stop() { # N
