@@ -97,6 +97,9 @@ pub struct ConnectionInfo {
     pub name: String,
     #[serde(default)]
     pub client_properties: Map<String, Value>,
+    /// The cluster node the connection is on.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 impl ConnectionInfo {

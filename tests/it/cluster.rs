@@ -233,6 +233,9 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
     };
     let leader = cluster.queue(&queue).await.leader.unwrap();
     let node = cluster.index_of(&leader);
+    if !matches!(fault, Fault::KillBusiestTierLeader) {
+        every_connection_is_on(cluster, &prefix, &leader).await;
+    }
     let fault_at = db_now(&db).await;
     match fault {
         Fault::KillDueLeader | Fault::KillBusiestTierLeader => cluster.kill(node),
@@ -393,6 +396,40 @@ async fn worker_process(
     .await;
     lapse::amqp::broker::close_quietly(&conn, "done").await;
     child
+}
+
+/// Every worker connection of `prefix` is on node `leader` (the management API shows
+/// connections a few seconds late, hence the wait): the fault then takes them all.
+async fn every_connection_is_on(cluster: &PrivateCluster, prefix: &str, leader: &str) {
+    let m = lapse::amqp::management::Management::new(&Secret::new(
+        cluster.management_url(cluster.index_of(leader)),
+    ))
+    .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "worker connections listed",
+        || async {
+            let ours: Vec<_> = m
+                .connections()
+                .await
+                .ok()?
+                .into_iter()
+                .filter(|c| c.client_name().is_some_and(|n| n.ends_with(prefix)))
+                .collect();
+            // Consumer, releaser, relay, queue gauges: several per worker.
+            (ours.len() >= 4).then_some(ours)
+        },
+    )
+    .await
+    .iter()
+    .for_each(|c| {
+        assert_eq!(
+            c.node.as_deref(),
+            Some(leader),
+            "connection {:?} is not on the due queue's leader",
+            c.client_name()
+        )
+    });
 }
 
 /// The wait tier holding the most messages now.
