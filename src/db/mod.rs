@@ -188,16 +188,14 @@ pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
         .map_err(|e| DbError::Config(e.to_string()))
 }
 
+/// The driver half of a connection made outside a pool: spawn it to drive the client.
+pub type Connection =
+    tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>;
+
 /// One connection outside any pool (for LISTEN and administration).
 pub async fn connect(
     config: &tokio_postgres::Config,
-) -> Result<
-    (
-        tokio_postgres::Client,
-        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
-    ),
-    DbError,
-> {
+) -> Result<(tokio_postgres::Client, Connection), DbError> {
     Ok(config.connect(NoTls).await?)
 }
 
@@ -228,13 +226,7 @@ fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
 /// nothing).
 async fn migration_connect(
     config: &tokio_postgres::Config,
-) -> Result<
-    (
-        tokio_postgres::Client,
-        tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>,
-    ),
-    DbError,
-> {
+) -> Result<(tokio_postgres::Client, Connection), DbError> {
     let after = MIGRATION_CONNECT_TIMEOUT * 2;
     tokio::time::timeout(after, connect(config))
         .await

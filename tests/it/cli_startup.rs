@@ -3,13 +3,14 @@
 //! says what to do; at startup the worker stops on what no retry heals (refused
 //! database credentials, a missing database) and waits for what is merely unreachable.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 
-use crate::helpers::{TestEnv, database_url, drop_database, run_lapse, stderr, stdout, unique};
+use crate::helpers::{
+    TestEnv, database_url, drop_database, run_lapse, spawn_worker, stderr, stdout, unique,
+};
 
 /// A local TCP port nothing listens on.
 fn closed_port() -> u16 {
@@ -150,21 +151,6 @@ async fn database_mistakes_name_the_key_and_what_to_do() {
         "{err}"
     );
     env.cleanup().await;
-}
-
-fn spawn_worker(env: &TestEnv, vars: &[(&str, &str)]) -> tokio::process::Child {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("LAPSE_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
-        .envs(vars.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    cmd.spawn().unwrap()
 }
 
 async fn exit_of(child: tokio::process::Child) -> (Option<i32>, String) {

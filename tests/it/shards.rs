@@ -52,6 +52,17 @@ impl Drop for Databases {
     }
 }
 
+/// Every order of the shard closed and released.
+async fn all_closed(db: &tokio_postgres::Client) -> Option<()> {
+    let open = count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await;
+    let unreleased = count(
+        db,
+        "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL",
+    )
+    .await;
+    (open == 0 && unreleased == 0).then_some(())
+}
+
 async fn connect(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
@@ -199,15 +210,7 @@ async fn three_shards_close_every_order_while_one_database_is_down() {
         eventually(
             Duration::from_secs(90),
             &format!("every unpaid order of shard {shard} closed and released"),
-            || async {
-                let open = count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await;
-                let unreleased = count(
-                    db,
-                    "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL",
-                )
-                .await;
-                (open == 0 && unreleased == 0).then_some(())
-            },
+            || all_closed(db),
         )
         .await;
     }

@@ -2,7 +2,6 @@
 //! answer is migrated once it does, and nothing works on it before; an error of one
 //! shard names its key, `database.shards[i]`.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -10,7 +9,7 @@ use lapse::config::{Config, Secret};
 use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
 
-use super::{Databases, clock, connect};
+use super::{Databases, all_closed, clock, connect};
 use crate::helpers::{TestEnv, count, create_orders, eventually, free_port};
 use crate::pg_proxy::{Mode, PgProxy};
 
@@ -68,17 +67,6 @@ async fn orders_due_soon(db: &mut tokio_postgres::Client) {
         qty: 1,
     }];
     create_orders(db, &deadlines, &line).await;
-}
-
-/// Every order of the shard closed and released.
-async fn all_closed(db: &tokio_postgres::Client) -> Option<()> {
-    let open = count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await;
-    let unreleased = count(
-        db,
-        "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL",
-    )
-    .await;
-    (open == 0 && unreleased == 0).then_some(())
 }
 
 /// The promise in one shard: every order closed, none early (nor before `not_before`),
@@ -250,18 +238,7 @@ async fn a_shard_down_at_start_is_migrated_when_it_answers_and_only_then_worked_
 /// Runs `lapse worker` with the env's config file and `vars`; its exit status and
 /// stderr (it must stop on its own within a minute).
 async fn worker_exit(env: &TestEnv, vars: &[(&str, &str)]) -> (Option<i32>, String) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("LAPSE_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
-        .envs(vars.iter().copied())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let child = cmd.spawn().unwrap();
+    let child = crate::helpers::spawn_worker(env, vars);
     let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
         .await
         .expect("the worker stops on its own")
