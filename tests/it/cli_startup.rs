@@ -9,7 +9,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 
 use crate::helpers::{
-    TestEnv, database_url, drop_database, run_lapse, spawn_worker, stderr, stdout, unique,
+    TestEnv, database_url, drop_database, exit_of, run_lapse, spawn_worker, stderr, stdout, unique,
 };
 
 /// A local TCP port nothing listens on.
@@ -151,17 +151,6 @@ async fn database_mistakes_name_the_key_and_what_to_do() {
         "{err}"
     );
     env.cleanup().await;
-}
-
-async fn exit_of(child: tokio::process::Child) -> (Option<i32>, String) {
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .expect("the worker stops on its own")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[tokio::test]

@@ -473,3 +473,16 @@ pub fn spawn_worker(env: &TestEnv, vars: &[(&str, &str)]) -> tokio::process::Chi
         .kill_on_drop(true);
     cmd.spawn().unwrap()
 }
+
+/// The exit status and stderr of a worker process that must stop on its own within a
+/// minute.
+pub async fn exit_of(child: tokio::process::Child) -> (Option<i32>, String) {
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("the worker stops on its own")
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

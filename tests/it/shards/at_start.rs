@@ -238,15 +238,7 @@ async fn a_shard_down_at_start_is_migrated_when_it_answers_and_only_then_worked_
 /// Runs `lapse worker` with the env's config file and `vars`; its exit status and
 /// stderr (it must stop on its own within a minute).
 async fn worker_exit(env: &TestEnv, vars: &[(&str, &str)]) -> (Option<i32>, String) {
-    let child = crate::helpers::spawn_worker(env, vars);
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .expect("the worker stops on its own")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    crate::helpers::exit_of(crate::helpers::spawn_worker(env, vars)).await
 }
 
 async fn migrated(urls: &[String]) {
