@@ -197,7 +197,15 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     };
     let mut pg = db::pg_config(&shard.url)?;
     pg.connect_timeout(std::time::Duration::from_secs(5));
-    let (client, connection) = match db::connect(&pg).await {
+    // A server that accepts the connection and then says nothing is one that does not
+    // answer yet, not a reason to hang the start.
+    let login = std::time::Duration::from_secs(10);
+    let Ok(connected) = tokio::time::timeout(login, db::connect(&pg)).await else {
+        tracing::warn!(database = %key, "the database did not complete the login within \
+            10 s; the components retry");
+        return Ok(());
+    };
+    let (client, connection) = match connected {
         Ok(pair) => pair,
         Err(db::DbError::Postgres(e)) => {
             return match super::failure::database(&e) {
@@ -214,15 +222,27 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         Err(e) => return Err(in_shard(config, shard.index, e)),
     };
     let driver = tokio::spawn(connection);
-    // The connection may still drop (or the query fail): the error names the shard.
+    // The connection may still drop: then, like a database that does not answer, the
+    // components retry; another failure of the query stops the start naming the shard.
     let named = |e: tokio_postgres::Error| in_shard(config, shard.index, e.into());
-    let row = client
-        .query_one(
-            "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
-            &[],
-        )
-        .await
-        .map_err(named)?;
+    let asked = client.query_one(
+        "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
+        &[],
+    );
+    let failure = match tokio::time::timeout(login, asked).await {
+        Ok(Ok(row)) => Ok(row),
+        Ok(Err(e)) => Err(db::DbError::Postgres(e)),
+        Err(_) => Err(db::DbError::NoAnswer { after: login }),
+    };
+    let row = match failure {
+        Ok(row) => row,
+        Err(e) if e.is_transient() => {
+            tracing::warn!(database = %key, error = %e.detail(),
+                "the database connection failed during the start-up check; the components retry");
+            return Ok(());
+        }
+        Err(e) => return Err(in_shard(config, shard.index, e)),
+    };
     let schema: bool = row.try_get("has_schema").map_err(named)?;
     drop(client);
     let _ = driver.await;

@@ -281,10 +281,11 @@ async fn a_failed_migration_at_start_names_the_shard() {
 }
 
 /// With `worker.migrate_on_start` off the worker checks each shard's schema; a
-/// connection that drops after the login fails the check naming the shard, not
-/// `database.url`.
+/// connection that drops after the login is a database that does not answer (its
+/// components retry, `lapse worker --help`: exit 3 never): the worker starts, and the
+/// warning names the shard, not `database.url`.
 #[tokio::test]
-async fn a_check_whose_connection_drops_names_the_shard() {
+async fn a_check_whose_connection_drops_starts_the_worker_and_names_the_shard() {
     let env = TestEnv::new(&["1s"]).await;
     let dbs = Databases::new(&["c0", "c1"]);
     let mut urls = dbs.urls();
@@ -293,14 +294,63 @@ async fn a_check_whose_connection_drops_names_the_shard() {
     let name = urls[1].rsplit_once('/').unwrap().1.to_string();
     urls[1] = PgProxy::url(proxy.port, &name);
     shards_config(&env, &urls);
-    let (code, err) = worker_exit(&env, &[("LAPSE_WORKER__MIGRATE_ON_START", "false")]).await;
-    assert_eq!(code, Some(3), "{err}");
-    let last = err.lines().last().unwrap_or_default();
-    assert!(
-        last.contains("database.shards[1]") && !last.contains("database.url"),
-        "{err}"
-    );
+    starts_and_warns_about_shard_1(&env, "start-up check").await;
     drop(proxy);
     drop(dbs);
     env.cleanup().await;
+}
+
+/// The same for a server that accepts the connection and then says nothing: the
+/// check gives up on the login and the worker starts.
+#[tokio::test]
+async fn a_check_whose_server_never_answers_starts_the_worker() {
+    let env = TestEnv::new(&["1s"]).await;
+    let dbs = Databases::new(&["q0"]);
+    let mut urls = dbs.urls();
+    migrated(&urls).await;
+    // Never accepted by the test: the kernel completes the handshake, nobody answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    urls.push(format!(
+        "postgres://postgres@127.0.0.1:{}/x",
+        silent.local_addr().unwrap().port()
+    ));
+    shards_config(&env, &urls);
+    starts_and_warns_about_shard_1(&env, "did not complete the login").await;
+    drop(silent);
+    drop(dbs);
+    env.cleanup().await;
+}
+
+/// Starts `lapse worker` (no migrations at start) and waits for a warning containing
+/// `needle` that names `database.shards[1]`; the worker must then keep running.
+async fn starts_and_warns_about_shard_1(env: &TestEnv, needle: &str) {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = crate::helpers::spawn_worker(
+        env,
+        &[
+            ("LAPSE_WORKER__MIGRATE_ON_START", "false"),
+            ("LAPSE_LOG", "warn"),
+        ],
+    );
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let warned = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains(needle) {
+                return line;
+            }
+        }
+        String::new()
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no warning containing {needle:?} within 60 s"));
+    assert!(
+        warned.contains("database.shards[1]") && !warned.contains("database.url"),
+        "{warned:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the worker must keep running"
+    );
+    child.kill().await.unwrap();
 }
