@@ -69,6 +69,11 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     if let Some(e) = cause.downcast_ref::<tokio_postgres::Error>() {
         return database(e);
     }
+    if let Some(e @ crate::db::DbError::NoAnswer { .. }) =
+        cause.downcast_ref::<crate::db::DbError>()
+    {
+        return Some(unreachable_database(&e.to_string()));
+    }
     if let Some(deadpool_postgres::PoolError::Timeout(_)) =
         cause.downcast_ref::<deadpool_postgres::PoolError>()
     {

@@ -150,7 +150,13 @@ async fn migrate_when_reachable(
     let settings = db::Settings::from_config(config);
     let mut delay = std::time::Duration::from_millis(500);
     loop {
-        let error = match db::migrate_with_settings(&config.database.url, &settings).await {
+        // A SIGTERM ends an attempt too (one that waits for another worker's migration
+        // lock, say); the server rolls the open migration back.
+        let attempt = tokio::select! {
+            result = db::migrate_with_settings(&config.database.url, &settings) => result,
+            () = token.cancelled() => return Ok(false),
+        };
+        let error = match attempt {
             Ok(_) => return Ok(true),
             Err(e) if e.is_transient() => e.detail(),
             Err(e) => return Err(e.into()),
@@ -175,10 +181,14 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     if !uses_database(config) {
         return Ok(());
     }
-    for shard in config.database.shard_list() {
-        check_shard(config, &shard).await?;
-    }
-    Ok(())
+    // All shards at once: silent ones cost one bound, not one each.
+    let shards = config.database.shard_list();
+    let checks = shards.iter().map(|shard| check_shard(config, shard));
+    futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<Vec<()>>>()
+        .map(|_| ())
 }
 
 /// `error` naming `database.shards[i]` when there are several order databases (with
@@ -199,10 +209,12 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     pg.connect_timeout(std::time::Duration::from_secs(5));
     // A server that accepts the connection and then says nothing is one that does not
     // answer yet, not a reason to hang the start.
-    let login = std::time::Duration::from_secs(10);
-    let Ok(connected) = tokio::time::timeout(login, db::connect(&pg)).await else {
+    let login = db::LOGIN_TIMEOUT;
+    let hosts = u32::try_from(pg.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let bound = std::time::Duration::from_secs(5).saturating_mul(hosts) + login;
+    let Ok(connected) = tokio::time::timeout(bound, db::connect(&pg)).await else {
         tracing::warn!(database = %key, "the database did not complete the login within \
-            10 s; the components retry");
+            {bound:?}; the components retry");
         return Ok(());
     };
     let (client, connection) = match connected {
@@ -232,7 +244,10 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     let failure = match tokio::time::timeout(login, asked).await {
         Ok(Ok(row)) => Ok(row),
         Ok(Err(e)) => Err(db::DbError::Postgres(e)),
-        Err(_) => Err(db::DbError::NoAnswer { after: login }),
+        Err(_) => Err(db::DbError::NoAnswer {
+            step: "answer the start-up check",
+            after: login,
+        }),
     };
     let row = match failure {
         Ok(row) => row,

@@ -46,12 +46,10 @@ pub enum DbError {
     /// away, so nothing touches its orders on an old schema.
     #[error("{} is not migrated yet (worker.migrate_on_start retries it)", shard_key(*.0))]
     NotMigrated(u16),
-    /// A server that accepted the connection but did not complete the login in time
-    /// (a frozen server, a proxy in front of a dead one).
-    #[error(
-        "the database server accepted the connection but did not complete the login within {after:?}"
-    )]
-    NoAnswer { after: Duration },
+    /// A server that accepted the connection but did not answer in time (a frozen
+    /// server, a proxy in front of a dead one); `step` says what it did not do.
+    #[error("the database server did not {step} within {after:?}")]
+    NoAnswer { step: &'static str, after: Duration },
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -199,9 +197,11 @@ pub async fn connect(
     Ok(config.connect(NoTls).await?)
 }
 
-/// How long creating or migrating a database waits for the TCP connect, and then for
-/// the login.
+/// How long creating or migrating a database waits for the TCP connect to one host.
 const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a login may take once connected (a start-up check, a migration).
+pub const LOGIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The connection settings of `url` for creating and migrating its database: a server
 /// that does not answer at all (packets dropped) fails within
@@ -221,16 +221,21 @@ fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
     Ok(config)
 }
 
-/// [`connect`] for creating or migrating a database: the login, too, is bounded by
-/// [`MIGRATION_CONNECT_TIMEOUT`] (a server that accepts the connection and then says
-/// nothing).
+/// [`connect`] for creating or migrating a database: the login, too, is bounded (a
+/// server that accepts the connection and then says nothing), by
+/// [`MIGRATION_CONNECT_TIMEOUT`] for each host the driver may try in turn plus
+/// [`LOGIN_TIMEOUT`].
 async fn migration_connect(
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), DbError> {
-    let after = MIGRATION_CONNECT_TIMEOUT * 2;
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    let after = MIGRATION_CONNECT_TIMEOUT.saturating_mul(hosts) + LOGIN_TIMEOUT;
     tokio::time::timeout(after, connect(config))
         .await
-        .unwrap_or(Err(DbError::NoAnswer { after }))
+        .unwrap_or(Err(DbError::NoAnswer {
+            step: "complete the login",
+            after,
+        }))
 }
 
 /// Creates the database named in `url` when it does not exist (connecting to the
@@ -242,9 +247,11 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
     };
     match migration_connect(&config).await {
         Ok(_) => return Ok(()),
-        // A server that says nothing would say nothing to the admin connection too.
-        Err(e @ DbError::NoAnswer { .. }) => return Err(e),
-        Err(_) => {}
+        // Only a missing database is created; any other failure (no answer, refused
+        // login) would fail the admin connection the same way, after its own wait.
+        Err(DbError::Postgres(e))
+            if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME) => {}
+        Err(e) => return Err(e),
     }
     let mut admin = config.clone();
     admin.dbname("postgres");

@@ -579,6 +579,15 @@ async fn migrate_gives_up_on_a_server_that_accepts_but_never_answers() {
         "took {:?}",
         started.elapsed()
     );
+    // One database that says nothing: a database that cannot be reached (exit 3).
+    env.write_config(&format!("[database]\nurl = {silent_url:?}\n"));
+    let out = env.lapse(&["migrate"]);
+    let stderr = crate::helpers::stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("did not complete the login") && stderr.contains("database.url"),
+        "{stderr}"
+    );
     drop(silent);
     drop(shard0);
     env.cleanup().await;
