@@ -186,16 +186,18 @@ node_kill() { # I
   [ -n "$pid" ] || { log "no pid recorded for node $1"; exit 1; }
   kill -9 "$pid" 2>/dev/null || { log "node $(node "$1") (pid $pid) was not running"; return 0; }
   short=$(node "$1"); short=${short%@*}
+  # A zombie (exited, not yet reaped) counts as gone.
+  gone() { ! kill -0 "$pid" 2>/dev/null || [[ "$(ps -o stat= -p "$pid" 2>/dev/null)" == Z* ]]; }
   for _ in $(seq 1 300); do
-    if kill -0 "$pid" 2>/dev/null; then
-      sleep 0.1 # not yet reaped
+    if ! gone; then
+      sleep 0.1 # still running
     elif command -v epmd >/dev/null && epmd -names 2>/dev/null | grep -q "name $short "; then
       sleep 0.1 # still registered
     else
       return 0
     fi
   done
-  if kill -0 "$pid" 2>/dev/null; then
+  if ! gone; then
     log "node $(node "$1") (pid $pid) still exists 30 s after SIGKILL"
   else
     log "node $(node "$1") is still registered in epmd 30 s after SIGKILL"

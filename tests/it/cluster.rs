@@ -416,8 +416,9 @@ async fn every_connection_is_on(cluster: &PrivateCluster, prefix: &str, leader: 
                 .into_iter()
                 .filter(|c| c.client_name().is_some_and(|n| n.ends_with(prefix)))
                 .collect();
-            // Consumer, releaser, relay, queue gauges: several per worker.
-            (ours.len() >= 4).then_some(ours)
+            // Each worker: consumer and releaser (a consuming and a publishing
+            // connection each), relay, queue gauges.
+            (ours.len() >= 12).then_some(ours)
         },
     )
     .await
