@@ -205,31 +205,19 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         true => db::shard_key(shard.index),
         false => "database.url".to_string(),
     };
-    let mut pg = db::pg_config(&shard.url)?;
-    pg.connect_timeout(std::time::Duration::from_secs(5));
     // A server that accepts the connection and then says nothing is one that does not
     // answer yet, not a reason to hang the start.
     let login = db::LOGIN_TIMEOUT;
-    let hosts = u32::try_from(pg.get_hosts().len().max(1)).unwrap_or(u32::MAX);
-    let bound = std::time::Duration::from_secs(5).saturating_mul(hosts) + login;
-    let Ok(connected) = tokio::time::timeout(bound, db::connect(&pg)).await else {
-        tracing::warn!(database = %key, "the database did not complete the login within \
-            {bound:?}; the components retry");
-        return Ok(());
-    };
-    let (client, connection) = match connected {
+    let (client, connection) = match db::bounded_connect(&db::bounded_config(&shard.url)?).await {
         Ok(pair) => pair,
-        Err(db::DbError::Postgres(e)) => {
-            return match super::failure::database(&e) {
-                Some(f) if f.status == ExitStatus::Usage => {
-                    Err(in_shard(config, shard.index, e.into()))
-                }
-                _ => {
-                    tracing::warn!(database = %key, error = %db::DbError::Postgres(e).detail(),
-                        "the database does not answer yet; the components retry");
-                    Ok(())
-                }
-            };
+        Err(db::DbError::Postgres(e)) if matches!(super::failure::database(&e), Some(f) if f.status == ExitStatus::Usage) =>
+        {
+            return Err(in_shard(config, shard.index, e.into()));
+        }
+        Err(e) if e.is_transient() || matches!(e, db::DbError::Postgres(_)) => {
+            tracing::warn!(database = %key, error = %e.detail(),
+                "the database does not answer yet; the components retry");
+            return Ok(());
         }
         Err(e) => return Err(in_shard(config, shard.index, e)),
     };

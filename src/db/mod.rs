@@ -197,19 +197,21 @@ pub async fn connect(
     Ok(config.connect(NoTls).await?)
 }
 
-/// How long creating or migrating a database waits for the TCP connect to one host.
+/// How long creating, migrating or checking a database waits for the TCP connect to
+/// one host.
 const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a login may take once connected (a start-up check, a migration).
 pub const LOGIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The connection settings of `url` for creating and migrating its database: a server
+/// The connection settings of `url` for creating, migrating and checking its database
+/// (outside the pools): a server
 /// that does not answer at all (packets dropped) fails within
 /// [`MIGRATION_CONNECT_TIMEOUT`] instead of the system's connect timeout, and one that
 /// vanishes mid-way (no ACKs) within a minute through TCP keepalives and the user
 /// timeout, so a worker's start does not wait minutes for one shard. A migration that
 /// runs long, or waits for another worker's migration lock, is not cut short.
-fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
+pub fn bounded_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
     let mut config = pg_config(url)?;
     config
         .connect_timeout(MIGRATION_CONNECT_TIMEOUT)
@@ -221,11 +223,11 @@ fn migration_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
     Ok(config)
 }
 
-/// [`connect`] for creating or migrating a database: the login, too, is bounded (a
+/// [`connect`] for creating, migrating or checking a database: the login, too, is bounded (a
 /// server that accepts the connection and then says nothing), by
 /// [`MIGRATION_CONNECT_TIMEOUT`] for each host the driver may try in turn plus
 /// [`LOGIN_TIMEOUT`].
-async fn migration_connect(
+pub async fn bounded_connect(
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), DbError> {
     let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
@@ -241,11 +243,11 @@ async fn migration_connect(
 /// Creates the database named in `url` when it does not exist (connecting to the
 /// `postgres` database of the same server to do so).
 pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
-    let config = migration_config(url)?;
+    let config = bounded_config(url)?;
     let Some(name) = config.get_dbname().map(str::to_string) else {
         return Ok(());
     };
-    match migration_connect(&config).await {
+    match bounded_connect(&config).await {
         Ok(_) => return Ok(()),
         // Only a missing database is created; any other failure (no answer, refused
         // login) would fail the admin connection the same way, after its own wait.
@@ -255,7 +257,7 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
     }
     let mut admin = config.clone();
     admin.dbname("postgres");
-    let (client, connection) = migration_connect(&admin).await?;
+    let (client, connection) = bounded_connect(&admin).await?;
     tokio::spawn(connection);
     let exists = client
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
@@ -318,7 +320,7 @@ pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<
 
 async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usize, DbError> {
     ensure_database(url).await?;
-    let (mut client, connection) = migration_connect(&migration_config(url)?).await?;
+    let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
