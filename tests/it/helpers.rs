@@ -486,3 +486,13 @@ pub async fn exit_of(child: tokio::process::Child) -> (Option<i32>, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// `config` with only the releaser of the worker's components that touch orders on
+/// (no consumer, no relay).
+pub fn releaser_only(config: &Config) -> Config {
+    let mut c = config.clone();
+    c.worker.consumer = false;
+    c.worker.relay = false;
+    c.worker.releaser = true;
+    c
+}

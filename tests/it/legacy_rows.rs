@@ -163,9 +163,7 @@ async fn the_releaser_releases_a_legacy_closed_order_and_parks_nothing() {
     )
     .await;
 
-    let mut releaser_only = env.config();
-    releaser_only.worker.consumer = false;
-    releaser_only.worker.relay = false;
+    let releaser_only = crate::helpers::releaser_only(&env.config());
     let releaser = env.start(&releaser_only).await;
     wait_released(&db, 4).await;
     assert_eq!(

@@ -76,10 +76,7 @@ async fn a_database_outage_during_stock_releases_parks_nothing_and_releases_each
 
     // The releases are pending; the database goes away, then a releaser starts.
     pg.stop_server();
-    let mut releaser_only = config.clone();
-    releaser_only.worker.consumer = false;
-    releaser_only.worker.relay = false;
-    releaser_only.worker.releaser = true;
+    let releaser_only = crate::helpers::releaser_only(&config);
     let releaser = env.start(&releaser_only).await;
     let queue = env.names().stock_release_queue();
     eventually(
@@ -271,10 +268,7 @@ async fn an_application_holding_a_closed_orders_row_does_not_block_checkout_of_i
         .get("outcome");
     assert_eq!(late, "LATE");
 
-    let mut releaser_only = config.clone();
-    releaser_only.worker.consumer = false;
-    releaser_only.worker.relay = false;
-    releaser_only.worker.releaser = true;
+    let releaser_only = crate::helpers::releaser_only(&config);
     let releaser = env.start(&releaser_only).await;
     eventually(
         Duration::from_secs(30),
@@ -334,10 +328,7 @@ async fn releases_failing_alike_against_a_mismatched_schema_are_held_not_parked(
         .await
         .unwrap();
 
-    let mut releaser_only = config.clone();
-    releaser_only.worker.consumer = false;
-    releaser_only.worker.relay = false;
-    releaser_only.worker.releaser = true;
+    let releaser_only = crate::helpers::releaser_only(&config);
     let releaser = env.start(&releaser_only).await;
     eventually(
         Duration::from_secs(60),

@@ -458,10 +458,7 @@ async fn held_release_events_of_two_shards_are_each_released_in_their_own_shard(
     .await
     .unwrap();
 
-    let mut releaser_only = config.clone();
-    releaser_only.worker.consumer = false;
-    releaser_only.worker.relay = false;
-    releaser_only.worker.releaser = true;
+    let releaser_only = crate::helpers::releaser_only(&config);
     let releaser = env.start(&releaser_only).await;
     eventually(Duration::from_secs(30), "both events held", || async {
         (releaser.stats.get(Outcome::Locked) >= 2).then_some(())
