@@ -259,7 +259,8 @@ impl Decider {
         }
         let remaining = (expire_at - snap.db_now).to_std().unwrap_or_default();
         // A re-delay goes out right after the clock was read: no slack for its own
-        // lag, only the hop-bounding slack where it saves hops (see TierSet::planned_hop).
+        // lag, only the hop-bounding slack where the hop bound needs it (see
+        // TierSet::planned_hop).
         let route = Route::planned(
             &self.names,
             &self.tiers,
