@@ -41,8 +41,14 @@ impl Steady {
         Ok(clients)
     }
 
-    /// Runs the generator on `clients` to the end; returns the orders created.
-    pub async fn run(&self, clients: Vec<Client>, progress: &Progress) -> anyhow::Result<u64> {
+    /// Runs the generator on `clients` to the end; returns the orders created and
+    /// when the last of them was (from the start: the pacing's trailing sleeps of
+    /// connections with nothing left to send do not count).
+    pub async fn run(
+        &self,
+        clients: Vec<Client>,
+        progress: &Progress,
+    ) -> anyhow::Result<(u64, Duration)> {
         let total = self.total();
         let statements = total.div_ceil(PER_STATEMENT as u64);
         let per_connection = statements.div_ceil(self.connections as u64);
@@ -56,10 +62,13 @@ impl Steady {
                 .collect(),
         );
         let created = Arc::new(AtomicU64::new(0));
+        let last_ns = Arc::new(AtomicU64::new(0));
+        let started = tokio::time::Instant::now();
         let mut tasks = Vec::new();
         for (c, db) in clients.into_iter().enumerate() {
             let deadlines = deadlines.clone();
             let created = created.clone();
+            let last_ns = last_ns.clone();
             let stagger = period.mul_f64(c as f64 / self.connections as f64);
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(stagger).await;
@@ -70,12 +79,19 @@ impl Steady {
                         break;
                     }
                     tick.tick().await;
-                    let n = PER_STATEMENT.min((total - created.load(Ordering::Relaxed)) as usize);
+                    // Another connection may have sent the last orders meanwhile.
+                    let left = total.saturating_sub(created.load(Ordering::Relaxed));
+                    let n = PER_STATEMENT.min(usize::try_from(left).unwrap_or(usize::MAX));
+                    if n == 0 {
+                        break;
+                    }
                     let ds: Vec<i32> = (0..n)
                         .map(|i| deadlines[(c + s as usize * PER_STATEMENT + i) % deadlines.len()])
                         .collect();
                     create(&db, &ds).await?;
                     created.fetch_add(n as u64, Ordering::Relaxed);
+                    let at = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    last_ns.fetch_max(at, Ordering::Relaxed);
                 }
                 anyhow::Ok(())
             }));
@@ -94,7 +110,10 @@ impl Steady {
             t.await??;
         }
         watcher.abort();
-        Ok(created.load(Ordering::Relaxed))
+        Ok((
+            created.load(Ordering::Relaxed),
+            Duration::from_nanos(last_ns.load(Ordering::Relaxed)),
+        ))
     }
 }
 

@@ -14,6 +14,7 @@ mod pending;
 mod progress;
 mod raw;
 pub mod report;
+mod saturation;
 mod steady;
 pub mod svg;
 
@@ -32,6 +33,8 @@ pub enum Scenario {
     Raw,
     /// Orders at a constant rate from several connections.
     Steady,
+    /// The highest steady rate with lateness p99 within 100 ms, found by rising loads.
+    Saturation,
     /// N orders sharing one deadline.
     Burst,
     /// N orders already overdue when K workers start.
@@ -50,6 +53,8 @@ pub enum Scenario {
 #[derive(Clone, Debug)]
 pub struct Options {
     pub steady: Steady,
+    /// The highest rate `saturation` tries.
+    pub max_rate: u32,
     /// Orders for burst, backlog, pending and schedule (each has its own default
     /// when `None`).
     pub orders: Option<u64>,
@@ -116,6 +121,15 @@ pub async fn run(
     let drain_vs_raw = [("closes_per_s", "dead_letter_per_s")];
     if wanted(Scenario::Steady) {
         let mut s = steady::steady(env, &options.steady).await?;
+        s.compare(&raw, true, &[]);
+        report.scenarios.push(s);
+    }
+    if wanted(Scenario::Saturation) {
+        let search = saturation::Search {
+            load: options.steady.clone(),
+            max_rate: options.max_rate,
+        };
+        let mut s = saturation::saturation(env, &search).await?;
         s.compare(&raw, true, &[]);
         report.scenarios.push(s);
     }

@@ -12,24 +12,36 @@ use super::report::ScenarioReport;
 use super::{Meter, settle_limit};
 
 pub async fn steady(env: &mut BenchEnv, load: &Steady) -> anyhow::Result<ScenarioReport> {
-    let mut report = ScenarioReport::new("steady");
-    describe(&mut report, load);
     env.reset().await?;
+    env.start_ready(&[], 1).await?;
+    let report = step(env, load, "steady").await?;
+    env.stop_workers().await;
+    env.forget_stopped();
+    Ok(report)
+}
+
+/// One steady load against the workers already running: creates the orders, waits
+/// until they are closed and released, and reads lateness and CPU of this load alone
+/// (`created_per_s` says whether the generator kept the rate).
+pub async fn step(env: &BenchEnv, load: &Steady, name: &str) -> anyhow::Result<ScenarioReport> {
+    let mut report = ScenarioReport::new(name);
+    describe(&mut report, load);
     let db = env.client().await?;
     let after = measure::last_id(&db).await?;
-    env.start_ready(&[], 1).await?;
     let clients = load.connect(env).await?;
     let meter = Meter::start(env);
-    let progress = Progress::new("steady: created", load.total());
-    report.orders = load.run(clients, &progress).await?;
+    let progress = Progress::new(&format!("{name}: created"), load.total());
+    let (orders, creating) = load.run(clients, &progress).await?;
+    report.orders = orders;
     progress.finish();
-    let progress = Progress::new("steady: closed", report.orders);
+    if !creating.is_zero() {
+        report.figure("created_per_s", orders as f64 / creating.as_secs_f64());
+    }
+    let progress = Progress::new(&format!("{name}: closed"), report.orders);
     report.lost = measure::wait_settled(&db, report.orders, settle_limit(load), &progress).await?;
     let orders = report.orders;
     meter.stop(env, &mut report, orders);
     measure::closes(&db, &mut report, after).await?;
-    env.stop_workers().await;
-    env.forget_stopped();
     Ok(report)
 }
 
@@ -62,7 +74,7 @@ pub async fn crash(
     };
     let started = Instant::now();
     let (created, times) = tokio::join!(generator, crash);
-    report.orders = created?;
+    report.orders = created?.0;
     let (killed_at, restarted_at) = times?;
     progress.finish();
     let progress = Progress::new("crash: closed", report.orders);

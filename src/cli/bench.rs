@@ -18,6 +18,7 @@ const DEFAULT_DEADLINES: &str = "5s,15s,6300ms,7770ms,9010ms,11500ms,13250ms,169
     &[
         "lapse bench raw",
         "lapse bench steady --rate 500 --duration 60s",
+        "lapse bench saturation --rate 200 --duration 10s",
         "lapse bench burst --orders 100000 --json",
         "lapse bench backlog --orders 100000 --workers 2",
         "lapse bench crash --gap 5s",
@@ -34,11 +35,16 @@ pub struct BenchArgs {
     /// What to measure; every scenario but `raw` runs `raw` first and reports ratios.
     #[arg(value_enum, value_name = "SCENARIO")]
     scenario: Scenario,
-    /// Orders created per second by steady and crash (and messages per second by raw).
+    /// Orders created per second by steady and crash, saturation's first rate (and
+    /// messages per second by raw).
     #[arg(long, value_name = "R", default_value_t = 200,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     rate: u32,
-    /// How long steady and crash create orders, e.g. 60s.
+    /// The highest rate saturation tries (it starts at --rate).
+    #[arg(long, value_name = "R", default_value_t = 100_000,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    max_rate: u32,
+    /// How long steady and crash create orders (and each of saturation's loads), e.g. 60s.
     #[arg(long, value_name = "D", default_value = "20s", value_parser = positive_duration)]
     duration: Duration,
     /// Database connections creating orders in steady and crash.
@@ -172,6 +178,7 @@ fn options(args: &BenchArgs) -> Options {
             connections: args.connections as usize,
             deadlines: args.deadlines.0.clone(),
         },
+        max_rate: args.max_rate,
         orders: args.orders,
         workers: args.workers,
         gap: args.gap,

@@ -154,6 +154,79 @@ async fn a_small_steady_run_closes_everything_never_early_and_cleans_up() {
     assert!(!database, "database left behind");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_saturation_search_keeps_the_promises_at_every_rate_it_tries() {
+    let guard = Leftovers {
+        prefix: unique("bench"),
+        database: unique("bench"),
+    };
+    let admin = database_url("postgres");
+    let amqp = amqp_url();
+    let out = run_lapse(
+        &[
+            "bench",
+            "saturation",
+            "--rate",
+            "20",
+            "--max-rate",
+            "40",
+            "--duration",
+            "1s",
+            "--deadlines",
+            "1s,1500ms",
+            "--raw-duration",
+            "1s",
+            "--raw-burst",
+            "200",
+            "--prefix",
+            &guard.prefix,
+            "--database",
+            &guard.database,
+            "--json",
+        ],
+        &[
+            ("LAPSE_DATABASE__URL", admin.as_str()),
+            ("LAPSE_BROKER__URL", amqp.as_str()),
+            ("LAPSE_LOG", "warn"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&out)).expect("JSON report");
+    let s = &report["scenarios"][1];
+    assert_eq!(s["scenario"], "saturation", "{report}");
+    assert_eq!(s["early"], 0, "{s}");
+    assert_eq!(s["lost"], 0, "{s}");
+    let figures = s["figures"].as_object().expect("figures");
+    let loads = figures["loads"].as_f64().expect("loads") as usize;
+    // Every load it ran has its p99 in the report, and the rate it found is one of them
+    // (or 0 when none kept the bound on this machine): which one depends on the load.
+    let tried: Vec<u32> = figures
+        .keys()
+        .filter_map(|k| k.strip_prefix("at_")?.strip_suffix("_p99_ms")?.parse().ok())
+        .collect();
+    assert_eq!(tried.len(), loads, "{s}");
+    assert!((1..=10).contains(&loads), "{s}");
+    assert!(tried.iter().all(|r| (1..=40).contains(r)), "{s}");
+    let found = figures["saturation_rate_per_s"].as_f64().expect("rate") as u32;
+    assert!(found == 0 || tried.contains(&found), "{s}");
+    // Every order of every load was created and counted.
+    assert!(
+        figures["orders_all_loads"]
+            .as_f64()
+            .is_some_and(|n| n >= 20.0),
+        "{s}"
+    );
+    assert!(
+        figures["converged"]
+            .as_f64()
+            .is_some_and(|c| c == 0.0 || c == 1.0),
+        "{s}"
+    );
+    let (queues, database) = guard.names().await;
+    assert!(queues.is_empty(), "queues left behind: {queues:?}");
+    assert!(!database, "database left behind");
+}
+
 #[test]
 fn bad_values_are_usage_errors_naming_the_option() {
     for (args, named) in [
@@ -165,6 +238,10 @@ fn bad_values_are_usage_errors_naming_the_option() {
             "--deadlines",
         ),
         (&["bench", "backlog", "--workers", "0"][..], "--workers"),
+        (
+            &["bench", "saturation", "--max-rate", "0"][..],
+            "--max-rate",
+        ),
         (
             &["bench", "steady", "--database", "Bad-Name"][..],
             "--database",
