@@ -66,6 +66,11 @@ impl Steady {
         let started = tokio::time::Instant::now();
         let mut tasks = Vec::new();
         for (c, db) in clients.into_iter().enumerate() {
+            // With fewer statements than connections, the extra ones have nothing to
+            // send: they do not sleep their stagger either.
+            if c as u64 >= statements {
+                break;
+            }
             let deadlines = deadlines.clone();
             let created = created.clone();
             let last_ns = last_ns.clone();

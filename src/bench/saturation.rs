@@ -58,18 +58,12 @@ fn next_rate(kept: u32, missed: Option<u32>, first: u32, max_rate: u32) -> Optio
     }
 }
 
-/// Runs the search. The report's orders, lateness, hops and CPU are those of the load
-/// at the highest rate that kept the bound (of the last load when none did); its
-/// early and lost counts add up every load; its figures hold each load's p99 and
-/// created rate, the orders of all loads, and whether the search converged (it ends
-/// early at the 10th load, or at an order early or lost).
+/// Runs the search and sums it up with [`summary`].
 pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<ScenarioReport> {
     env.reset().await?;
     env.start_ready(&[], 1).await?;
-    let (mut best, mut last): (Option<ScenarioReport>, Option<ScenarioReport>) = (None, None);
     let (mut kept_rate, mut missed) = (0u32, None::<u32>);
-    let (mut early, mut lost, mut orders) = (0, 0, 0);
-    let mut loads = Vec::new();
+    let mut loads: Vec<(u32, ScenarioReport)> = Vec::new();
     while loads.len() < MAX_LOADS {
         let Some(rate) = next_rate(kept_rate, missed, search.load.rate, search.max_rate) else {
             break;
@@ -79,11 +73,42 @@ pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<S
             ..search.load.clone()
         };
         let s = step(env, &load, &format!("saturation {rate}/s")).await?;
+        if kept(&s, rate) {
+            kept_rate = rate;
+        } else {
+            missed = Some(rate);
+        }
+        let broke = s.early > 0 || s.lost > 0;
+        loads.push((rate, s));
+        if broke {
+            break;
+        }
+    }
+    env.stop_workers().await;
+    env.forget_stopped();
+    Ok(summary(loads, search))
+}
+
+/// One report for the search from its loads, in the order they ran. Its orders,
+/// lateness, hops and CPU are those of the load at the highest rate that kept the
+/// bound (of the last load when none did); its early and lost counts add up every
+/// load; its figures hold each load's p99 and created rate, the orders of all loads,
+/// and whether the search converged (it ends early at the 10th load, or at an order
+/// early or lost).
+fn summary(loads: Vec<(u32, ScenarioReport)>, search: &Search) -> ScenarioReport {
+    let (mut kept_rate, mut missed) = (0u32, None::<u32>);
+    let (mut early, mut lost, mut orders) = (0, 0, 0);
+    let mut per_load = Vec::new();
+    let (mut best, mut last) = (None, None);
+    for (rate, s) in loads {
         early += s.early;
         lost += s.lost;
         orders += s.orders;
-        let created = s.figures.get("created_per_s").copied();
-        loads.push((rate, s.lateness_ms.p99, created));
+        per_load.push((
+            rate,
+            s.lateness_ms.p99,
+            s.figures.get("created_per_s").copied(),
+        ));
         if kept(&s, rate) {
             kept_rate = rate;
             best = Some(s);
@@ -91,12 +116,7 @@ pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<S
             missed = Some(rate);
             last = Some(s);
         }
-        if early > 0 || lost > 0 {
-            break;
-        }
     }
-    env.stop_workers().await;
-    env.forget_stopped();
     let converged = next_rate(kept_rate, missed, search.load.rate, search.max_rate).is_none();
     let mut report = best.or(last).unwrap_or_default();
     report.scenario = "saturation".into();
@@ -108,15 +128,15 @@ pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<S
     report.lost = lost;
     report.figure("orders_all_loads", orders as f64);
     report.figure("saturation_rate_per_s", f64::from(kept_rate));
-    report.figure("loads", loads.len() as f64);
+    report.figure("loads", per_load.len() as f64);
     report.figure("converged", if converged { 1.0 } else { 0.0 });
-    for (rate, p99, created) in &loads {
-        report.figure(&format!("at_{rate:05}_p99_ms"), *p99);
+    for (rate, p99, created) in &per_load {
+        report.figure(&format!("at_{rate:06}_p99_ms"), *p99);
         if let Some(c) = created {
-            report.figure(&format!("at_{rate:05}_created_per_s"), *c);
+            report.figure(&format!("at_{rate:06}_created_per_s"), *c);
         }
     }
-    Ok(report)
+    report
 }
 
 #[cfg(test)]
@@ -171,6 +191,83 @@ mod tests {
             assert_eq!(unique.len(), tried.len(), "{first} {limit}: {tried:?}");
             assert_eq!(kept, limit, "{first} {limit}: {tried:?}");
         }
+    }
+
+    /// A load at `rate` that created `created` orders at `created_per_s`, with this
+    /// p99 and these early and lost counts.
+    fn load(
+        rate: u32,
+        created_per_s: f64,
+        p99: f64,
+        early: u64,
+        lost: u64,
+    ) -> (u32, ScenarioReport) {
+        let mut s = ScenarioReport::new("saturation");
+        s.param("rate", rate);
+        s.orders = u64::from(rate) * 10;
+        s.early = early;
+        s.lost = lost;
+        s.lateness_ms.p99 = p99;
+        s.figure("created_per_s", created_per_s);
+        (rate, s)
+    }
+
+    fn search(first: u32, max_rate: u32) -> Search {
+        Search {
+            load: Steady {
+                rate: first,
+                duration: std::time::Duration::from_secs(10),
+                connections: 4,
+                deadlines: vec![std::time::Duration::from_secs(5)],
+            },
+            max_rate,
+        }
+    }
+
+    #[test]
+    fn the_summary_is_the_best_loads_with_every_loads_counts() {
+        let loads = vec![
+            load(200, 200.0, 12.0, 0, 0),
+            load(400, 399.0, 30.0, 0, 0),
+            load(800, 790.0, 150.0, 0, 0), // p99 over the bound
+            load(600, 500.0, 40.0, 0, 0),  // the generator fell behind
+            load(500, 499.0, 60.0, 0, 0),
+            load(550, 549.0, 90.0, 0, 0),
+        ];
+        let r = summary(loads, &search(200, 100_000));
+        assert_eq!(r.figures["saturation_rate_per_s"], 550.0);
+        assert_eq!(r.orders, 5_500, "the orders of the load at 550/s");
+        assert_eq!(r.lateness_ms.p99, 90.0);
+        assert_eq!(r.figures["orders_all_loads"], 30_500.0);
+        assert_eq!(r.figures["loads"], 6.0);
+        assert_eq!(r.figures["converged"], 1.0, "600 is within 10 % of 550");
+        assert_eq!(r.figures["at_000800_p99_ms"], 150.0);
+        assert_eq!(r.figures["at_000600_created_per_s"], 500.0);
+        assert!(!r.parameters.contains_key("rate"));
+        assert_eq!((r.early, r.lost), (0, 0));
+    }
+
+    #[test]
+    fn early_or_lost_in_any_load_is_in_the_summary() {
+        let loads = vec![load(200, 200.0, 12.0, 0, 0), load(400, 400.0, 30.0, 1, 2)];
+        let r = summary(loads, &search(200, 100_000));
+        assert_eq!((r.early, r.lost), (1, 2));
+        assert_eq!(r.figures["saturation_rate_per_s"], 200.0);
+        assert_eq!(r.figures["converged"], 0.0, "the search was cut short");
+    }
+
+    #[test]
+    fn with_no_rate_kept_the_summary_shows_the_last_miss() {
+        let loads = vec![
+            load(4, 4.0, 300.0, 0, 0),
+            load(2, 2.0, 250.0, 0, 0),
+            load(1, 1.0, 200.0, 0, 0),
+        ];
+        let r = summary(loads, &search(4, 100));
+        assert_eq!(r.figures["saturation_rate_per_s"], 0.0);
+        assert_eq!(r.lateness_ms.p99, 200.0, "not zeros that look perfect");
+        assert_eq!(r.orders, 10);
+        assert_eq!(r.figures["converged"], 1.0);
     }
 
     #[test]
