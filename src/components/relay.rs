@@ -2,8 +2,9 @@
 //! deletes a row only after its confirm.
 //!
 //! Timeout intents go to the tier chosen from the database clock (or straight to the
-//! due queue when shorter than the smallest tier), allowing as slack only the lag
-//! since the intent was written; stock-release events go to
+//! due queue when shorter than the smallest tier), allowing as slack the lag since
+//! the intent was written, and the hop slack only where the hop budget or a long
+//! hold needs it (`TierSet::planned_hop`); stock-release events go to
 //! `<P>.events`. Several relays may run at once: each round locks its rows with
 //! `FOR UPDATE SKIP LOCKED`. Woken by `NOTIFY lapse_outbox`, with a polling fallback.
 //!
