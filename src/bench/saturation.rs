@@ -58,13 +58,30 @@ fn next_rate(kept: u32, missed: Option<u32>, first: u32, max_rate: u32) -> Optio
     }
 }
 
+/// The search's state after `loads`: the rate of the last load that kept the bound
+/// (0 for none) and of the last that missed it. Each rate tried lies between the two,
+/// so these are the highest kept and the lowest missed.
+fn bounds(loads: &[(u32, ScenarioReport)]) -> (u32, Option<u32>) {
+    let kept_rate = loads
+        .iter()
+        .rev()
+        .find(|(rate, s)| kept(s, *rate))
+        .map_or(0, |(rate, _)| *rate);
+    let missed = loads
+        .iter()
+        .rev()
+        .find(|(rate, s)| !kept(s, *rate))
+        .map(|(rate, _)| *rate);
+    (kept_rate, missed)
+}
+
 /// Runs the search and sums it up with [`summary`].
 pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<ScenarioReport> {
     env.reset().await?;
     env.start_ready(&[], 1).await?;
-    let (mut kept_rate, mut missed) = (0u32, None::<u32>);
     let mut loads: Vec<(u32, ScenarioReport)> = Vec::new();
     while loads.len() < MAX_LOADS {
+        let (kept_rate, missed) = bounds(&loads);
         let Some(rate) = next_rate(kept_rate, missed, search.load.rate, search.max_rate) else {
             break;
         };
@@ -73,11 +90,6 @@ pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<S
             ..search.load.clone()
         };
         let s = step(env, &load, &format!("saturation {rate}/s")).await?;
-        if kept(&s, rate) {
-            kept_rate = rate;
-        } else {
-            missed = Some(rate);
-        }
         let broke = s.early > 0 || s.lost > 0;
         loads.push((rate, s));
         if broke {
@@ -96,7 +108,7 @@ pub async fn saturation(env: &mut BenchEnv, search: &Search) -> anyhow::Result<S
 /// and whether the search converged (it ends early at the 10th load, or at an order
 /// early or lost).
 fn summary(loads: Vec<(u32, ScenarioReport)>, search: &Search) -> ScenarioReport {
-    let (mut kept_rate, mut missed) = (0u32, None::<u32>);
+    let (kept_rate, missed) = bounds(&loads);
     let (mut early, mut lost, mut orders) = (0, 0, 0);
     let mut per_load = Vec::new();
     let (mut best, mut last) = (None, None);
@@ -110,10 +122,8 @@ fn summary(loads: Vec<(u32, ScenarioReport)>, search: &Search) -> ScenarioReport
             s.figures.get("created_per_s").copied(),
         ));
         if kept(&s, rate) {
-            kept_rate = rate;
             best = Some(s);
         } else {
-            missed = Some(rate);
             last = Some(s);
         }
     }
