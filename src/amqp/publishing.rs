@@ -108,8 +108,8 @@ pub struct PublishingConnection {
 }
 
 impl PublishingConnection {
-    /// Connects as `name` and opens a confirm channel (that step bounded by the confirm
-    /// timeout; the connect has its own bound).
+    /// Connects as `name` and opens a confirm channel (each step has its bound: see
+    /// [`Endpoint::connect`] and [`Endpoint::publisher`]).
     pub async fn open(
         endpoint: &Endpoint,
         name: &str,
@@ -118,7 +118,7 @@ impl PublishingConnection {
     ) -> Result<Self, BrokerError> {
         let conn = endpoint.connect(name).await?;
         let watch = BlockedWatch::start(&conn, name, component, health);
-        let publisher = match bounded(endpoint, endpoint.publisher(&conn)).await {
+        let publisher = match endpoint.publisher(&conn).await {
             Ok(p) => Some(p),
             Err(e) => {
                 broker::close_quietly(&conn, "confirm channel failed to open").await;
@@ -216,7 +216,7 @@ impl PublishingConnection {
         match &self.publisher {
             Some(p) if p.is_usable() => Ok(p.clone()),
             _ => {
-                let p = bounded(&self.endpoint, self.endpoint.publisher(&self.conn)).await?;
+                let p = self.endpoint.publisher(&self.conn).await?;
                 self.publisher = Some(p.clone());
                 Ok(p)
             }
@@ -229,8 +229,8 @@ impl PublishingConnection {
     }
 }
 
-/// Runs a connect or channel-open step for at most the confirm timeout (a blocked
-/// connection never answers).
+/// Runs a reconnect for at most the confirm timeout: each address has its own bound,
+/// and this one caps them together so a publish never waits through every address.
 async fn bounded<T>(
     endpoint: &Endpoint,
     step: impl Future<Output = Result<T, BrokerError>>,

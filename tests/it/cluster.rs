@@ -266,9 +266,14 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
     let waited = Instant::now();
     while count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await > 0 {
         if waited.elapsed() > Duration::from_secs(180) {
+            let health: Vec<String> = workers
+                .iter()
+                .map(|w| format!("{:?}", w.health.snapshot()))
+                .collect();
             panic!(
-                "{fault:?}: not every order closed: {}",
-                diagnose(cluster, &db, &names).await
+                "{fault:?}: not every order closed: {}; in-process workers' health: {}",
+                diagnose(cluster, &db, &names).await,
+                health.join(" | ")
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

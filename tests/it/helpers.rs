@@ -356,6 +356,8 @@ pub async fn drop_database(name: &str) {
 pub struct Running {
     pub token: CancellationToken,
     pub stats: Stats,
+    /// Its components' health, as `/health` shows it (for failure reports).
+    pub health: lapse::runtime::health::Health,
     join: tokio::task::JoinHandle<lapse::runtime::service::Stopped>,
 }
 
@@ -370,6 +372,7 @@ impl Running {
         Self {
             token,
             stats,
+            health: service.health(),
             join: tokio::spawn(service.wait()),
         }
     }

@@ -200,10 +200,14 @@ impl Endpoint {
     }
 
     /// A confirm channel on `conn` that waits at most `confirm_timeout` per publish.
+    /// Opening it waits at most `confirm_timeout` too: a connection whose node is
+    /// stopping, or that a broker alarm blocks, can leave `channel.open` or
+    /// `confirm.select` unanswered, and the caller must end its session rather than
+    /// stall in it.
     pub async fn publisher(&self, conn: &Connection) -> Result<Publisher, BrokerError> {
-        Ok(Publisher::new(conn)
-            .await?
-            .with_confirm_timeout(self.confirm_timeout))
+        let publisher =
+            within(self.confirm_timeout, "confirm.select", Publisher::new(conn)).await?;
+        Ok(publisher.with_confirm_timeout(self.confirm_timeout))
     }
 }
 

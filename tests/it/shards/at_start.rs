@@ -11,7 +11,7 @@ use lapse::orders::Line;
 
 use super::{Databases, all_closed, clock, connect};
 use crate::helpers::{TestEnv, count, create_orders, eventually, free_port};
-use crate::pg_proxy::{Mode, PgProxy};
+use crate::tcp_proxy::{Mode, TcpProxy};
 
 /// The same migrations as lapse's, to build the schema of the version before.
 mod previous {
@@ -126,7 +126,7 @@ fn upgraded(config: &Config, urls: &[String], port: u16) -> Config {
     let name = urls[0].rsplit_once('/').unwrap().1;
     let mut c = config.clone();
     c.database.shards = Some(vec![
-        Secret::new(PgProxy::url(port, name)),
+        Secret::new(TcpProxy::url(port, name)),
         Secret::new(urls[1].clone()),
     ]);
     c.worker.migrate_on_start = true;
@@ -188,7 +188,7 @@ async fn a_shard_down_at_start_is_migrated_when_it_answers_and_only_then_worked_
 
     // Shard 0 answers; the worker's migration of it waits for the lock held here.
     let lock = hold_migrations(&urls[0]).await;
-    let proxy = PgProxy::start(port, Mode::Forward);
+    let proxy = TcpProxy::postgres(port, Mode::Forward);
     eventually(
         LIMIT,
         "the worker's migration of shard 0 waiting",
@@ -290,9 +290,9 @@ async fn a_check_whose_connection_drops_starts_the_worker_and_names_the_shard() 
     let dbs = Databases::new(&["c0", "c1"]);
     let mut urls = dbs.urls();
     migrated(&urls).await;
-    let proxy = PgProxy::start(free_port(), Mode::CutAfterLogin);
+    let proxy = TcpProxy::postgres(free_port(), Mode::CutAfterLogin);
     let name = urls[1].rsplit_once('/').unwrap().1.to_string();
-    urls[1] = PgProxy::url(proxy.port, &name);
+    urls[1] = TcpProxy::url(proxy.port, &name);
     shards_config(&env, &urls);
     starts_and_warns_about_shard_1(&env, "start-up check").await;
     drop(proxy);

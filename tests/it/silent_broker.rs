@@ -1,0 +1,88 @@
+//! A broker that goes silent in the middle of a connection, as a frozen host does: the
+//! TCP connection stays open and no reply comes. Every broker reply a session waits
+//! for is bounded (by `broker.confirm_timeout`), so the session ends with an error
+//! naming the step and its component connects again, instead of waiting forever.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use lapse::amqp::batch::BatchSource;
+use lapse::amqp::broker::{BrokerError, Endpoint};
+use lapse::config::Secret;
+
+use crate::helpers::{amqp_url, free_port};
+use crate::tcp_proxy::{Mode, TcpProxy};
+
+/// How long the tests let lapse wait for a reply.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
+/// Far longer than the bound: a wait that reaches it did not end on its own.
+const HUNG: Duration = Duration::from_secs(30);
+
+/// A proxy to the shared broker that goes silent when the returned switch is set, and
+/// an endpoint that connects through it.
+fn silent_broker() -> (TcpProxy, Arc<AtomicBool>, Endpoint) {
+    let uri = lapin::uri::AMQPUri::from_str(&amqp_url()).unwrap();
+    let upstream = (uri.authority.host.clone(), uri.authority.port);
+    let frozen = Arc::new(AtomicBool::new(false));
+    let proxy = TcpProxy::start(free_port(), upstream, Mode::FreezeOn(frozen.clone()));
+    let url = format!(
+        "amqp://{}:{}@127.0.0.1:{}/{}",
+        uri.authority.userinfo.username,
+        uri.authority.userinfo.password,
+        proxy.port,
+        urlencoding(&uri.vhost)
+    );
+    let mut endpoint = Endpoint::new(Secret::new(url));
+    endpoint.confirm_timeout = REPLY_TIMEOUT;
+    (proxy, frozen, endpoint)
+}
+
+fn urlencoding(vhost: &str) -> String {
+    vhost.replace('%', "%25").replace('/', "%2f")
+}
+
+#[tokio::test]
+async fn opening_a_confirm_channel_on_a_silent_broker_ends_within_the_confirm_timeout() {
+    let (_proxy, frozen, endpoint) = silent_broker();
+    let conn = endpoint
+        .connect("lapse test silent publisher")
+        .await
+        .unwrap();
+    // The connection works until the broker goes silent.
+    endpoint.publisher(&conn).await.unwrap();
+    frozen.store(true, Ordering::SeqCst);
+    let opened = tokio::time::timeout(HUNG, endpoint.publisher(&conn))
+        .await
+        .expect("opening a confirm channel waited without a bound");
+    match opened {
+        Err(BrokerError::ReplyTimeout { op, after }) => {
+            assert_eq!(op, "confirm.select");
+            assert_eq!(after, REPLY_TIMEOUT);
+        }
+        Err(other) => panic!("expected a reply timeout, got {other}"),
+        Ok(_) => panic!("a confirm channel opened on a silent broker"),
+    }
+}
+
+#[tokio::test]
+async fn attaching_a_consumer_on_a_silent_broker_ends_within_the_reply_timeout() {
+    let (_proxy, frozen, endpoint) = silent_broker();
+    let conn = endpoint
+        .connect("lapse test silent consumer")
+        .await
+        .unwrap();
+    frozen.store(true, Ordering::SeqCst);
+    let attached = tokio::time::timeout(
+        HUNG,
+        BatchSource::open(&conn, "lapse-test-silent", 10, REPLY_TIMEOUT),
+    )
+    .await
+    .expect("attaching a consumer waited without a bound");
+    match attached {
+        Err(BrokerError::ReplyTimeout { op, .. }) => assert_eq!(op, "channel.open"),
+        Err(other) => panic!("expected a reply timeout, got {other}"),
+        Ok(_) => panic!("a consumer attached on a silent broker"),
+    }
+}
