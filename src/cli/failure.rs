@@ -74,6 +74,14 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     {
         return Some(unreachable_database(&e.to_string()));
     }
+    if let Some(e @ crate::db::DbError::ShardMoved { .. }) =
+        cause.downcast_ref::<crate::db::DbError>()
+    {
+        return Some(Failure::new(
+            ExitStatus::Usage,
+            format!("invalid configuration: database.url: {e}"),
+        ));
+    }
     if let Some(deadpool_postgres::PoolError::Timeout(_)) =
         cause.downcast_ref::<deadpool_postgres::PoolError>()
     {

@@ -28,7 +28,7 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
     // Every shard is tried, whatever another one answers; one that fails is named and
     // makes the exit status 1.
     let results = db::migrate_shards(&config.database, &settings).await;
-    let mut failed = 0;
+    let (mut failed, mut moved) = (0, false);
     let mut shown = Vec::new();
     for (shard, result) in &results {
         match result {
@@ -43,6 +43,7 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
             }
             Err(e) => {
                 failed += 1;
+                moved |= matches!(e, db::DbError::ShardMoved { .. });
                 let why = redact(&e.detail()).into_owned();
                 if !args.json {
                     eprintln!(
@@ -59,9 +60,10 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
     } else if failed > 0 {
         eprintln!("error: {failed} of {} shard(s) not migrated", results.len());
     }
-    Ok(if failed == 0 {
-        ExitStatus::Ok
-    } else {
-        ExitStatus::Failed
+    // A reordered list is a configuration error (exit 2), whatever else failed.
+    Ok(match (failed, moved) {
+        (0, _) => ExitStatus::Ok,
+        (_, true) => ExitStatus::Usage,
+        (_, false) => ExitStatus::Failed,
     })
 }

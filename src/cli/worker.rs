@@ -224,21 +224,39 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     let driver = tokio::spawn(connection);
     // The connection may still drop: then, like a database that does not answer, the
     // components retry; another failure of the query stops the start naming the shard.
-    let named = |e: tokio_postgres::Error| in_shard(config, shard.index, e.into());
-    let asked = client.query_one(
-        "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
-        &[],
-    );
+    // Whether it has lapse's schema, and the position its first migration recorded
+    // (NULL where only versions that did not record it migrated it).
+    let asked = async {
+        let schema: bool = client
+            .query_one(
+                "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
+                &[],
+            )
+            .await?
+            .try_get("has_schema")?;
+        if !schema {
+            return Ok((false, None));
+        }
+        let recorded: Option<i32> = client
+            .query_one(
+                "SELECT (to_jsonb(s) ->> 'shard_position')::int AS recorded
+                   FROM lapse_settings s LIMIT 1",
+                &[],
+            )
+            .await?
+            .try_get("recorded")?;
+        Ok::<_, tokio_postgres::Error>((true, recorded))
+    };
     let failure = match tokio::time::timeout(login, asked).await {
-        Ok(Ok(row)) => Ok(row),
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(e)) => Err(db::DbError::Postgres(e)),
         Err(_) => Err(db::DbError::NoAnswer {
             step: "answer the start-up check",
             after: login,
         }),
     };
-    let row = match failure {
-        Ok(row) => row,
+    let (schema, recorded) = match failure {
+        Ok(answer) => answer,
         Err(e) if e.is_transient() => {
             tracing::warn!(database = %key, error = %e.detail(),
                 "the database connection failed during the start-up check; the components retry");
@@ -246,9 +264,9 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         }
         Err(e) => return Err(in_shard(config, shard.index, e)),
     };
-    let schema: bool = row.try_get("has_schema").map_err(named)?;
     drop(client);
     let _ = driver.await;
+    db::check_position(recorded, shard.index).map_err(|e| in_shard(config, shard.index, e))?;
     if !schema {
         return Err(crate::config::ConfigError {
             key,

@@ -50,6 +50,14 @@ pub enum DbError {
     /// server, a proxy in front of a dead one); `step` says what it did not do.
     #[error("the database server did not {step} within {after:?}")]
     NoAnswer { step: &'static str, after: Duration },
+    /// The database was first migrated at another position of the list of order
+    /// databases than the one the configuration gives it now (a reordered
+    /// `database.shards`).
+    #[error(
+        "this database was first migrated as shard {recorded} ({}), but the configuration makes it shard {position}: timeout messages name their shard by its position, so the order of database.shards must never change (restore it; docs/scaling.md, \"Changing the number of shards\")",
+        shard_key(u16::try_from(*recorded).unwrap_or(u16::MAX))
+    )]
+    ShardMoved { recorded: i32, position: u16 },
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -312,13 +320,55 @@ pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
     run_migrations(url, None).await
 }
 
-/// Applies pending migrations, then writes `settings` (what `lapse migrate` and a
-/// starting worker do).
+/// Applies pending migrations to the one order database (`database.url`, shard 0),
+/// then writes `settings` and checks its position (see [`migrate_shard`]).
 pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<usize, DbError> {
-    run_migrations(url, Some(settings)).await
+    migrate_shard(url, settings, 0).await
 }
 
-async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usize, DbError> {
+/// Applies pending migrations to the order database at `position` of the list, then
+/// writes `settings` and records the position, or checks it against the one recorded
+/// by its first migration ([`DbError::ShardMoved`] when they differ). What `lapse
+/// migrate` and a starting worker do.
+pub async fn migrate_shard(
+    url: &Secret,
+    settings: &Settings,
+    position: u16,
+) -> Result<usize, DbError> {
+    run_migrations(url, Some((settings, position))).await
+}
+
+/// Records `position` in `lapse_settings` unless one is recorded already; the
+/// position recorded, which must be `position`.
+async fn record_position<C: tokio_postgres::GenericClient>(
+    client: &C,
+    position: u16,
+) -> Result<(), DbError> {
+    let row = client
+        .query_one(
+            "UPDATE lapse_settings SET shard_position = coalesce(shard_position, $1)
+             RETURNING shard_position",
+            &[&i32::from(position)],
+        )
+        .await?;
+    let recorded: i32 = column(&row, "shard_position")?;
+    check_position(Some(recorded), position)
+}
+
+/// [`DbError::ShardMoved`] when a position is recorded and is not `position`.
+pub fn check_position(recorded: Option<i32>, position: u16) -> Result<(), DbError> {
+    match recorded {
+        Some(recorded) if recorded != i32::from(position) => {
+            Err(DbError::ShardMoved { recorded, position })
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn run_migrations(
+    url: &Secret,
+    settings: Option<(&Settings, u16)>,
+) -> Result<usize, DbError> {
     ensure_database(url).await?;
     let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
@@ -329,10 +379,14 @@ async fn run_migrations(url: &Secret, settings: Option<&Settings>) -> Result<usi
         .run_async(&mut client)
         .await
         .map_err(DbError::from);
-    if let (Ok(_), Some(settings)) = (&report, settings)
-        && let Err(e) = write_settings(&client, settings).await
-    {
-        report = Err(e);
+    if let (Ok(_), Some((settings, position))) = (&report, settings) {
+        let written = match write_settings(&client, settings).await {
+            Ok(()) => record_position(&client, position).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            report = Err(e);
+        }
     }
     let _ = client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])

@@ -137,7 +137,7 @@ pub async fn migrate_shards(
     let shards = database.shard_list();
     let runs = shards
         .iter()
-        .map(|shard| super::migrate_with_settings(&shard.url, settings));
+        .map(|shard| super::migrate_shard(&shard.url, settings, shard.index));
     let results = futures_util::future::join_all(runs).await;
     shards.into_iter().zip(results).collect()
 }

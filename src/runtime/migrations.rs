@@ -97,7 +97,7 @@ pub async fn migrate_later(
     while !schemas.is_migrated(shard.index) {
         health.connecting(component);
         let attempt = tokio::select! {
-            result = db::migrate_with_settings(&shard.url, &settings) => result,
+            result = db::migrate_shard(&shard.url, &settings, shard.index) => result,
             () = token.cancelled() => return Ok(()),
         };
         match attempt {

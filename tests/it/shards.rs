@@ -4,6 +4,7 @@
 //! the first, so that work handled shard by shard in order would wait behind it.
 
 mod at_start;
+mod positions;
 
 use std::time::Duration;
 

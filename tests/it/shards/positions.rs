@@ -1,0 +1,99 @@
+//! A shard's position in `database.shards` never changes: timeout messages name their
+//! shard by it. The first migration records each database's position; a reordered
+//! list is refused by `lapse migrate` and by a worker's start (with or without
+//! `worker.migrate_on_start`), naming the shard, before anything is read or closed.
+//! Growing the list at the end is fine.
+
+use super::Databases;
+use crate::helpers::{TestEnv, exit_of, spawn_worker, stderr, stdout};
+
+fn shards(urls: &[&String]) -> String {
+    let quoted: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    format!("[database]\nshards = [{}]\n", quoted.join(", "))
+}
+
+/// What a refused list says: the shard, where it was first migrated, and not to
+/// reorder.
+fn assert_names_the_move(text: &str, key: &str, recorded: u16) {
+    assert!(text.contains(key), "names {key}: {text}");
+    assert!(
+        text.contains(&format!("first migrated as shard {recorded}")),
+        "says where it was first migrated: {text}"
+    );
+    assert!(text.contains("must never change"), "{text}");
+}
+
+// Over 60 lines on purpose: one list, then each way of getting it wrong, in the order an operator would meet them.
+#[tokio::test]
+async fn a_reordered_shard_list_is_refused_naming_the_shard() {
+    let env = TestEnv::new(&["1s"]).await;
+    let dbs = Databases::new(&["p0", "p1", "p2"]);
+    let urls = dbs.urls();
+    let (a, b, c) = (&urls[0], &urls[1], &urls[2]);
+
+    env.write_config(&shards(&[a, b]));
+    let out = env.lapse(&["migrate"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+
+    // Swapped: `lapse migrate` refuses both, as a configuration error.
+    env.write_config(&shards(&[b, a]));
+    let out = env.lapse(&["migrate"]);
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{}{text}", stdout(&out));
+    assert_names_the_move(&text, "database.shards[0]", 1);
+    assert_names_the_move(&text, "database.shards[1]", 0);
+
+    // A worker with the swapped list does not start, whether it migrates or not.
+    for migrate in ["true", "false"] {
+        let child = spawn_worker(&env, &[("LAPSE_WORKER__MIGRATE_ON_START", migrate)]);
+        let (code, text) = exit_of(child).await;
+        assert_eq!(code, Some(2), "migrate_on_start = {migrate}: {text}");
+        assert_names_the_move(&text, "database.shards[0]", 1);
+    }
+
+    // Shard 1 alone in database.url would be shard 0: refused too.
+    env.write_config(&format!("[database]\nurl = {b:?}\n"));
+    let out = env.lapse(&["migrate"]);
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert_names_the_move(&text, "database.url", 1);
+
+    // Growing the list at the end keeps every position: migrated, and a worker starts
+    // on it (it is still running when stopped).
+    env.write_config(&shards(&[a, b, c]));
+    let out = env.lapse(&["migrate"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let mut child = spawn_worker(&env, &[("LAPSE_WORKER__MIGRATE_ON_START", "false")]);
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    if child.try_wait().unwrap().is_some() {
+        panic!(
+            "a worker with the grown list stopped: {:?}",
+            exit_of(child).await
+        );
+    }
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+
+    // The third database was recorded as shard 2: moving it to the front is refused.
+    env.write_config(&shards(&[c, a, b]));
+    let out = env.lapse(&["migrate", "--json"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let error = json["shards"][0]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("first migrated as shard 2"), "{json}");
+
+    drop(dbs);
+    env.cleanup().await;
+}
