@@ -228,15 +228,25 @@ impl ConsumerSession {
     }
 }
 
+/// How long an acknowledgement may take to be handed to the connection. lapin
+/// completes an ack once its frame is written, normally within microseconds; an ack
+/// queued just as the connection died is neither written nor failed, and without a
+/// bound the session would wait for it forever (seen when a node was SIGKILLed
+/// mid-batch: the consumer stayed silent, its queue without a consumer, until the
+/// process was restarted).
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Acknowledges one delivery (every consumer acknowledges this way).
 /// An acker lapin reports as unusable (its channel is gone) is a lost connection: the
 /// session ends and the broker hands the delivery out again, instead of lapse counting
-/// it as done and publishing or parking it a second time.
+/// it as done and publishing or parking it a second time. An ack not handed to the
+/// connection within [`ACK_TIMEOUT`] ends the session the same way (if it did reach
+/// the broker after all, nothing is delivered twice; if not, the delivery comes back
+/// and is decided again, which the guarded close makes harmless).
 pub async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    let acked = delivery
-        .acker
-        .ack(BasicAckOptions::default())
+    let acked = tokio::time::timeout(ACK_TIMEOUT, delivery.acker.ack(BasicAckOptions::default()))
         .await
+        .map_err(|_| BrokerError::AckTimeout { after: ACK_TIMEOUT })?
         .map_err(BrokerError::amqp("basic.ack"))?;
     if acked {
         Ok(())

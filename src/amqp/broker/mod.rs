@@ -46,6 +46,10 @@ pub enum BrokerError {
         "no reply to `{op}` from the broker within {after:?} (the queue's leader moving or the node overloaded?); attaching again"
     )]
     ReplyTimeout { op: &'static str, after: Duration },
+    #[error(
+        "an acknowledgement was not handed to the connection within {after:?} (the connection died as it was queued?); attaching again"
+    )]
+    AckTimeout { after: Duration },
     #[error("the broker blocks publishing on this connection: {reason}")]
     Blocked { reason: String },
     #[error("publishing is unavailable: {reason}")]
