@@ -229,11 +229,12 @@ impl ConsumerSession {
 }
 
 /// How long an acknowledgement may take to be handed to the connection. lapin
-/// completes an ack once its frame is written, normally within microseconds; an ack
-/// queued just as the connection died is neither written nor failed, and without a
+/// completes an ack once its frame is written, normally within microseconds. An ack
+/// queued just as the connection dies can land in lapin's internal command queue
+/// behind the command that stops it: it is then neither run nor failed, and without a
 /// bound the session would wait for it forever (seen when a node was SIGKILLed
-/// mid-batch: the consumer stayed silent, its queue without a consumer, until the
-/// process was restarted).
+/// mid-batch: the consumer stayed busy in that batch, its queue without a consumer,
+/// until the process was restarted).
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Acknowledges one delivery (every consumer acknowledges this way).

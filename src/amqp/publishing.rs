@@ -103,6 +103,9 @@ pub struct PublishingConnection {
     component: &'static str,
     health: Health,
     conn: Connection,
+    /// Set when the connection did not answer the opening of a confirm channel: it is
+    /// replaced before the next publish (it may stay open and silent for a long time).
+    silent: bool,
     publisher: Option<Publisher>,
     watch: BlockedWatch,
 }
@@ -131,6 +134,7 @@ impl PublishingConnection {
             component,
             health: health.clone(),
             conn,
+            silent: false,
             publisher,
             watch,
         })
@@ -196,14 +200,16 @@ impl PublishingConnection {
     }
 
     /// A usable confirm channel: reconnects and reopens as needed, each step bounded
-    /// by the confirm timeout; refuses at once while the broker blocks publishing.
+    /// by the confirm timeout; refuses at once while the broker blocks publishing. A
+    /// connection that left the opening of a confirm channel unanswered is replaced.
     async fn ready(&mut self) -> Result<Publisher, BrokerError> {
-        if !self.conn.status().connected() {
+        if self.silent || !self.conn.status().connected() {
             self.publisher = None;
             let conn = bounded(&self.endpoint, self.endpoint.connect(&self.name)).await?;
             self.watch = BlockedWatch::start(&conn, &self.name, self.component, &self.health);
             self.health.blocked(self.component, None);
             self.conn = conn;
+            self.silent = false;
         }
         if self.blocked() {
             return Err(BrokerError::Blocked {
@@ -216,7 +222,10 @@ impl PublishingConnection {
         match &self.publisher {
             Some(p) if p.is_usable() => Ok(p.clone()),
             _ => {
-                let p = self.endpoint.publisher(&self.conn).await?;
+                let p =
+                    self.endpoint.publisher(&self.conn).await.inspect_err(|e| {
+                        self.silent = matches!(e, BrokerError::ReplyTimeout { .. })
+                    })?;
                 self.publisher = Some(p.clone());
                 Ok(p)
             }

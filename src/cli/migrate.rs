@@ -26,7 +26,7 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
         return Ok(ExitStatus::Ok);
     }
     // Every shard is tried, whatever another one answers; one that fails is named and
-    // makes the exit status 1.
+    // makes the exit status 1 (2 when the list was reordered: a configuration error).
     let results = db::migrate_shards(&config.database, &settings).await;
     let (mut failed, mut moved) = (0, false);
     let mut shown = Vec::new();
@@ -43,7 +43,10 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
             }
             Err(e) => {
                 failed += 1;
-                moved |= matches!(e, db::DbError::ShardMoved { .. });
+                moved |= matches!(
+                    e,
+                    db::DbError::ShardMoved { .. } | db::DbError::ListMoved { .. }
+                );
                 let why = redact(&e.detail()).into_owned();
                 if !args.json {
                     eprintln!(

@@ -224,38 +224,16 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     let driver = tokio::spawn(connection);
     // The connection may still drop: then, like a database that does not answer, the
     // components retry; another failure of the query stops the start naming the shard.
-    // Whether it has lapse's schema, and the position its first migration recorded
-    // (NULL where only versions that did not record it migrated it).
-    let asked = async {
-        let schema: bool = client
-            .query_one(
-                "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
-                &[],
-            )
-            .await?
-            .try_get("has_schema")?;
-        if !schema {
-            return Ok((false, None));
-        }
-        let recorded: Option<i32> = client
-            .query_one(
-                "SELECT (to_jsonb(s) ->> 'shard_position')::int AS recorded
-                   FROM lapse_settings s LIMIT 1",
-                &[],
-            )
-            .await?
-            .try_get("recorded")?;
-        Ok::<_, tokio_postgres::Error>((true, recorded))
-    };
+    // Whether it has lapse's schema, and the position its first migration recorded.
+    let asked = db::schema_state(&client);
     let failure = match tokio::time::timeout(login, asked).await {
-        Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(e)) => Err(db::DbError::Postgres(e)),
+        Ok(answer) => answer,
         Err(_) => Err(db::DbError::NoAnswer {
             step: "answer the start-up check",
             after: login,
         }),
     };
-    let (schema, recorded) = match failure {
+    let db::SchemaState { schema, position } = match failure {
         Ok(answer) => answer,
         Err(e) if e.is_transient() => {
             tracing::warn!(database = %key, error = %e.detail(),
@@ -266,7 +244,7 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     };
     drop(client);
     let _ = driver.await;
-    db::check_position(recorded, shard.index).map_err(|e| in_shard(config, shard.index, e))?;
+    db::check_position(position, shard.index).map_err(|e| in_shard(config, shard.index, e))?;
     if !schema {
         return Err(crate::config::ConfigError {
             key,

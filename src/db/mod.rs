@@ -13,7 +13,9 @@ use crate::config::{DatabaseConfig, Secret};
 
 refinery::embed_migrations!("migrations");
 
+mod position;
 mod shards;
+pub use position::{SchemaState, check as check_position, recorded_position, schema_state};
 pub use shards::{InShard, Pools, Schemas, migrate_shards, shard_key};
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
@@ -58,6 +60,15 @@ pub enum DbError {
         shard_key(u16::try_from(*recorded).unwrap_or(u16::MAX))
     )]
     ShardMoved { recorded: i32, position: u16 },
+    /// Not migrated because other databases of the same list were moved: nothing of
+    /// the list is migrated or recorded until it is restored.
+    #[error(
+        "not migrated: {} of the same list {} not where {} first migrated, so nothing is migrated or recorded until the order of database.shards is restored",
+        moved.iter().map(|i| shard_key(*i)).collect::<Vec<_>>().join(", "),
+        if moved.len() == 1 { "is" } else { "are" },
+        if moved.len() == 1 { "it was" } else { "they were" }
+    )]
+    ListMoved { moved: Vec<u16> },
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -327,42 +338,15 @@ pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<
 }
 
 /// Applies pending migrations to the order database at `position` of the list, then
-/// writes `settings` and records the position, or checks it against the one recorded
-/// by its first migration ([`DbError::ShardMoved`] when they differ). What `lapse
-/// migrate` and a starting worker do.
+/// writes `settings` and records the position. A database whose first migration
+/// recorded another position is refused before anything changes
+/// ([`DbError::ShardMoved`]). What `lapse migrate` and a starting worker do.
 pub async fn migrate_shard(
     url: &Secret,
     settings: &Settings,
     position: u16,
 ) -> Result<usize, DbError> {
     run_migrations(url, Some((settings, position))).await
-}
-
-/// Records `position` in `lapse_settings` unless one is recorded already; the
-/// position recorded, which must be `position`.
-async fn record_position<C: tokio_postgres::GenericClient>(
-    client: &C,
-    position: u16,
-) -> Result<(), DbError> {
-    let row = client
-        .query_one(
-            "UPDATE lapse_settings SET shard_position = coalesce(shard_position, $1)
-             RETURNING shard_position",
-            &[&i32::from(position)],
-        )
-        .await?;
-    let recorded: i32 = column(&row, "shard_position")?;
-    check_position(Some(recorded), position)
-}
-
-/// [`DbError::ShardMoved`] when a position is recorded and is not `position`.
-pub fn check_position(recorded: Option<i32>, position: u16) -> Result<(), DbError> {
-    match recorded {
-        Some(recorded) if recorded != i32::from(position) => {
-            Err(DbError::ShardMoved { recorded, position })
-        }
-        _ => Ok(()),
-    }
 }
 
 async fn run_migrations(
@@ -375,13 +359,23 @@ async fn run_migrations(
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
         .await?;
-    let mut report = migrations::runner()
-        .run_async(&mut client)
-        .await
-        .map_err(DbError::from);
+    // A database recorded at another position is refused before anything changes.
+    let checked = match settings {
+        Some((_, position)) => position::schema_state(&client)
+            .await
+            .and_then(|state| position::check(state.position, position)),
+        None => Ok(()),
+    };
+    let mut report = match checked {
+        Ok(()) => migrations::runner()
+            .run_async(&mut client)
+            .await
+            .map_err(DbError::from),
+        Err(e) => Err(e),
+    };
     if let (Ok(_), Some((settings, position))) = (&report, settings) {
         let written = match write_settings(&client, settings).await {
-            Ok(()) => record_position(&client, position).await,
+            Ok(()) => position::record(&client, position).await,
             Err(e) => Err(e),
         };
         if let Err(e) = written {

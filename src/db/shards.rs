@@ -130,11 +130,46 @@ impl Schemas {
 
 /// Applies pending migrations to every shard, all at once, then writes `settings` into
 /// each; returns each shard's result (how many migrations it applied, or why not).
+///
+/// First, without changing anything, every shard that answers is asked for its
+/// recorded position: when any was first migrated at another position (a reordered
+/// list), no shard is migrated and no position recorded, so a database new to the
+/// list is not recorded at a wrong position while the list is wrong.
 pub async fn migrate_shards(
     database: &DatabaseConfig,
     settings: &Settings,
 ) -> Vec<(Shard, Result<usize, DbError>)> {
     let shards = database.shard_list();
+    let asked = shards
+        .iter()
+        .map(|shard| super::recorded_position(&shard.url));
+    let recorded = futures_util::future::join_all(asked).await;
+    let moved: Vec<(u16, i32)> = shards
+        .iter()
+        .zip(&recorded)
+        .filter_map(|(shard, r)| match r {
+            Ok(Some(p)) if *p != i32::from(shard.index) => Some((shard.index, *p)),
+            _ => None,
+        })
+        .collect();
+    if !moved.is_empty() {
+        let keys: Vec<u16> = moved.iter().map(|(index, _)| *index).collect();
+        return shards
+            .into_iter()
+            .map(|shard| {
+                let error = match moved.iter().find(|(index, _)| *index == shard.index) {
+                    Some((_, recorded)) => DbError::ShardMoved {
+                        recorded: *recorded,
+                        position: shard.index,
+                    },
+                    None => DbError::ListMoved {
+                        moved: keys.clone(),
+                    },
+                };
+                (shard, Err(error))
+            })
+            .collect();
+    }
     let runs = shards
         .iter()
         .map(|shard| super::migrate_shard(&shard.url, settings, shard.index));

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use lapse::amqp::batch::BatchSource;
 use lapse::amqp::broker::{BrokerError, Endpoint};
+use lapse::amqp::publishing::{Outgoing, PublishingConnection};
 use lapse::config::Secret;
 
 use crate::helpers::{amqp_url, free_port};
@@ -58,7 +59,7 @@ async fn opening_a_confirm_channel_on_a_silent_broker_ends_within_the_confirm_ti
         .expect("opening a confirm channel waited without a bound");
     match opened {
         Err(BrokerError::ReplyTimeout { op, after }) => {
-            assert_eq!(op, "confirm.select");
+            assert_eq!(op, "channel.open");
             assert_eq!(after, REPLY_TIMEOUT);
         }
         Err(other) => panic!("expected a reply timeout, got {other}"),
@@ -85,4 +86,63 @@ async fn attaching_a_consumer_on_a_silent_broker_ends_within_the_reply_timeout()
         Err(other) => panic!("expected a reply timeout, got {other}"),
         Ok(_) => panic!("a consumer attached on a silent broker"),
     }
+}
+
+/// A publishing connection whose broker goes silent: the publish ends with a confirm
+/// timeout, the next one with a reply timeout opening a fresh confirm channel, and
+/// once the broker answers again the connection is replaced (the silent one would
+/// never answer) and publishing works.
+#[tokio::test]
+async fn a_publishing_connection_replaces_a_connection_that_went_silent() {
+    let (_proxy, frozen, endpoint) = silent_broker();
+    let health = lapse::runtime::health::Health::default();
+    let mut publishing =
+        PublishingConnection::open(&endpoint, "lapse test silent publishing", "test", &health)
+            .await
+            .unwrap();
+    // Mandatory and bound nowhere: the broker confirms it and returns it.
+    let message = || {
+        Outgoing::new(
+            "amq.direct",
+            "lapse-test-unbound",
+            b"x".to_vec(),
+            Default::default(),
+        )
+    };
+    let answered = |r: &Result<(), BrokerError>| matches!(r, Err(BrokerError::Unroutable { .. }));
+    let first = publishing.publish(message()).await;
+    assert!(answered(&first), "{first:?}");
+
+    frozen.store(true, Ordering::SeqCst);
+    let unconfirmed = tokio::time::timeout(HUNG, publishing.publish(message()))
+        .await
+        .expect("bounded");
+    assert!(
+        matches!(unconfirmed, Err(BrokerError::ConfirmTimeout { .. })),
+        "{unconfirmed:?}"
+    );
+    let reopened = tokio::time::timeout(HUNG, publishing.publish(message()))
+        .await
+        .expect("bounded");
+    assert!(
+        matches!(
+            reopened,
+            Err(BrokerError::ReplyTimeout {
+                op: "channel.open",
+                ..
+            })
+        ),
+        "{reopened:?}"
+    );
+
+    // The broker answers new connections again; the silent one stays silent.
+    frozen.store(false, Ordering::SeqCst);
+    let again = tokio::time::timeout(HUNG, publishing.publish(message()))
+        .await
+        .expect("bounded");
+    assert!(
+        answered(&again),
+        "published on a fresh connection: {again:?}"
+    );
+    publishing.close().await;
 }

@@ -209,9 +209,10 @@ impl Endpoint {
     /// `confirm.select` unanswered, and the caller must end its session rather than
     /// stall in it.
     pub async fn publisher(&self, conn: &Connection) -> Result<Publisher, BrokerError> {
-        let publisher =
-            within(self.confirm_timeout, "confirm.select", Publisher::new(conn)).await?;
-        Ok(publisher.with_confirm_timeout(self.confirm_timeout))
+        let after = self.confirm_timeout;
+        let channel = within(after, "channel.open", open_channel(conn)).await?;
+        let publisher = within(after, "confirm.select", Publisher::on(channel)).await?;
+        Ok(publisher.with_confirm_timeout(after))
     }
 }
 

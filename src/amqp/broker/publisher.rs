@@ -62,11 +62,14 @@ pub struct Publisher {
 }
 
 impl Publisher {
+    /// A confirm channel opened on `conn` (neither step bounded: see
+    /// [`super::Endpoint::publisher`] for the bounded way).
     pub async fn new(conn: &Connection) -> Result<Self, BrokerError> {
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(BrokerError::amqp("channel.open"))?;
+        Self::on(super::open_channel(conn).await?).await
+    }
+
+    /// Puts `channel` in confirm mode.
+    pub async fn on(channel: Channel) -> Result<Self, BrokerError> {
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

@@ -64,6 +64,21 @@ async fn a_reordered_shard_list_is_refused_naming_the_shard() {
     assert_eq!(out.status.code(), Some(2), "{text}");
     assert_names_the_move(&text, "database.url", 1);
 
+    // A database new to the list, put first by mistake: refused with the rest, and
+    // nothing is migrated or recorded, so the right list works afterwards.
+    env.write_config(&shards(&[c, a, b]));
+    let out = env.lapse(&["migrate"]);
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains(
+            "database.shards[0]): not migrated: database.shards[1], database.shards[2] of the \
+             same list are not where they were first migrated"
+        ),
+        "{text}"
+    );
+    assert_names_the_move(&text, "database.shards[1]", 0);
+
     // Growing the list at the end keeps every position: migrated, and a worker starts
     // on it (it is still running when stopped).
     env.write_config(&shards(&[a, b, c]));
