@@ -205,6 +205,11 @@ async fn a_shard_down_at_start_is_migrated_when_it_answers_and_only_then_worked_
     .await;
     // Room for sweeps, re-delivered timeouts and relay rounds to reach shard 0.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    // Not ready meanwhile: `/readyz` fails on a component that is not up, and the
+    // shard's migration is one until it commits.
+    let migrating = worker.health.snapshot();
+    let state = migrating.get("migrate.s0").expect("a migrate.s0 component");
+    assert!(!state.up, "migrate.s0 up before its migration: {state:?}");
     assert_eq!(
         count(&db0, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
         0,
@@ -224,6 +229,10 @@ async fn a_shard_down_at_start_is_migrated_when_it_answers_and_only_then_worked_
     })
     .await;
     assert_eq!(schema_version(&db0).await, latest_version(), "migrated");
+    eventually(LIMIT, "migrate.s0 up once migrated", || async {
+        worker.health.snapshot().get("migrate.s0")?.up.then_some(())
+    })
+    .await;
     assert_closed(0, &db0, Some(unlocked_at)).await;
     assert_closed(1, &db1, None).await;
     assert_eq!(worker.stats.get(Outcome::Parked), 0);
