@@ -116,14 +116,18 @@ pub async fn collect_with_grace<C: GenericClient>(
     Ok(Status::new(queues, vec![orders], release_grace, false))
 }
 
-/// Depth and consumers of every queue of `topology` (passive declares).
+/// Depth and consumers of every queue of `topology` (passive declares, each waiting
+/// at most the default confirm timeout: a silent broker fails the status, it does not
+/// hang it).
 pub async fn queue_depths(
     conn: &lapin::Connection,
     topology: &Topology,
 ) -> Result<Vec<QueueDepth>, StatusError> {
     let mut queues = Vec::new();
     for q in &topology.queues {
-        let counts = broker::queue_state(conn, &q.name).await?.counts();
+        let counts = broker::queue_state_within(conn, &q.name, broker::DEFAULT_CONFIRM_TIMEOUT)
+            .await?
+            .counts();
         queues.push(QueueDepth {
             queue: q.name.clone(),
             role: role_name(&q.role),

@@ -100,7 +100,7 @@ pub async fn run(config: &Config, command: TopologyCommand) -> anyhow::Result<Ex
             } else {
                 None
             };
-            let _ = conn.close(200, "done".into()).await;
+            broker::close_quietly(&conn, "done").await;
             if json {
                 print_json(&serde_json::json!({ "apply": report, "prune": pruned }))?;
             } else {

@@ -183,7 +183,8 @@ impl Pass {
         // Unacknowledged messages (failures) return to the queue here.
         for c in [&reader, publisher.channel(), &lock_channel] {
             if c.status().connected() {
-                let _ = c.close(200, "parked pass done".into()).await;
+                let close = c.close(200, "parked pass done".into());
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), close).await;
             }
         }
         Ok(items)

@@ -146,3 +146,25 @@ async fn a_publishing_connection_replaces_a_connection_that_went_silent() {
     );
     publishing.close().await;
 }
+
+/// `lapse status` asks the broker for each queue's depth: on a connection that went
+/// silent it fails with a reply timeout instead of hanging (a `--watch` would hang
+/// for good).
+#[tokio::test]
+async fn queue_depths_on_a_silent_broker_fail_instead_of_hanging() {
+    let (_proxy, frozen, endpoint) = silent_broker();
+    let tiers = lapse::tier_file::TierFile::parse("tiers = [\"1s\"]\n").unwrap();
+    let topology = lapse::amqp::topology::Topology::new(
+        &lapse::names::Names::new(crate::helpers::unique("silent")),
+        &tiers,
+    );
+    let conn = endpoint.connect("lapse test silent status").await.unwrap();
+    frozen.store(true, Ordering::SeqCst);
+    let depths = tokio::time::timeout(HUNG, lapse::status::queue_depths(&conn, &topology))
+        .await
+        .expect("queue depths waited without a bound");
+    let error = depths
+        .expect_err("no depths from a silent broker")
+        .to_string();
+    assert!(error.contains("no reply to `queue.declare`"), "{error}");
+}

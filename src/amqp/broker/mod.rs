@@ -21,7 +21,9 @@ mod publisher;
 mod queue;
 
 pub use publisher::{Outgoing, Publisher};
-pub use queue::{QueueCounts, QueueState, open_channel, passive_declare, queue_state};
+pub use queue::{
+    QueueCounts, QueueState, open_channel, passive_declare, queue_state, queue_state_within,
+};
 
 use crate::amqp::tls::{self, TlsFiles};
 use crate::config::split_addresses;

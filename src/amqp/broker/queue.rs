@@ -6,6 +6,8 @@
 //! channel, for a caller that goes on using that channel when the queue exists (a
 //! consumer's own channel, a reader that takes messages next).
 
+use std::time::Duration;
+
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -72,12 +74,23 @@ pub async fn passive_declare(channel: &Channel, queue: &str) -> Result<QueueStat
 }
 
 /// A passive declare of `queue` on a channel of its own, closed afterwards: a
-/// missing queue costs that channel only.
+/// missing queue costs that channel only. Not bounded (callers bound it, e.g. with
+/// [`queue_state_within`]), except the closing of the channel (2 s).
 pub async fn queue_state(conn: &Connection, queue: &str) -> Result<QueueState, BrokerError> {
     let channel = open_channel(conn).await?;
     let state = passive_declare(&channel, queue).await?;
     if channel.status().connected() {
-        let _ = channel.close(200, "asked".into()).await;
+        let close = channel.close(200, "asked".into());
+        let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
     }
     Ok(state)
+}
+
+/// [`queue_state`] waiting at most `after` for the broker ([`BrokerError::ReplyTimeout`]).
+pub async fn queue_state_within(
+    conn: &Connection,
+    queue: &str,
+    after: Duration,
+) -> Result<QueueState, BrokerError> {
+    super::within(after, "queue.declare", queue_state(conn, queue)).await
 }
