@@ -23,6 +23,9 @@ pub enum Mode {
     /// Forwards both ways until the switch is set; from then on nothing more is
     /// forwarded, and the connections stay open.
     FreezeOn(Arc<AtomicBool>),
+    /// Forwards both ways until the token is cancelled, then resets both connections
+    /// (as a node that was killed does).
+    CutOn(tokio_util::sync::CancellationToken),
 }
 
 /// The server's ReadyForQuery message outside a transaction ('Z', length 5, 'I').
@@ -111,6 +114,17 @@ async fn accept(listener: tokio::net::TcpListener, upstream: (String, u16), mode
                 }
                 Mode::CutAfterLogin => cut_after_login(client, server).await,
                 Mode::FreezeOn(frozen) => forward_until_frozen(client, server, frozen).await,
+                Mode::CutOn(cut) => {
+                    let mut client = client;
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        () = cut.cancelled() => {
+                            // Closing with a zero linger sends a reset, not a FIN.
+                            let _ = client.set_linger(Some(std::time::Duration::ZERO));
+                            let _ = server.set_linger(Some(std::time::Duration::ZERO));
+                        }
+                    }
+                }
             }
         });
     }
