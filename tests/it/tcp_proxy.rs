@@ -120,8 +120,8 @@ async fn accept(listener: tokio::net::TcpListener, upstream: (String, u16), mode
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
                         () = cut.cancelled() => {
                             // Closing with a zero linger sends a reset, not a FIN.
-                            let _ = client.set_linger(Some(std::time::Duration::ZERO));
-                            let _ = server.set_linger(Some(std::time::Duration::ZERO));
+                            let _ = client.set_zero_linger();
+                            let _ = server.set_zero_linger();
                         }
                     }
                 }
