@@ -77,17 +77,7 @@ async fn a_three_node_cluster_keeps_the_promise_through_node_failures() {
     init_logs();
     let cluster = PrivateCluster::start(3);
     topology_is_replicated_on_every_node(&cluster);
-    // The scenario that SIGKILLs a worker together with the due queue's leader is run
-    // only when asked for (`RUN_CLUSTER_WORKER_KILL=1`, or by name below): it still
-    // fails about once in ten runs with the surviving worker's consumer not attached
-    // again (an open finding, docs/scaling.md), and a red suite lands nothing.
-    let mut faults: Vec<Fault> = Fault::ALL
-        .into_iter()
-        .filter(|f| {
-            !matches!(f, Fault::KillDueLeaderAndAWorker)
-                || std::env::var("RUN_CLUSTER_WORKER_KILL").is_ok_and(|v| v == "1")
-        })
-        .collect();
+    let mut faults = Fault::ALL.to_vec();
     // `CLUSTER_FAULTS=KillDueLeaderAndAWorker,...` runs only the scenarios named.
     if let Ok(only) = std::env::var("CLUSTER_FAULTS") {
         let only: Vec<&str> = only.split(',').map(str::trim).collect();
@@ -247,11 +237,15 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         every_connection_is_on(cluster, &prefix, &leader).await;
     }
     let fault_at = db_now(&db).await;
+    // The cluster script blocks for seconds: off the runtime's worker threads, so the
+    // in-process workers are not starved meanwhile.
     match fault {
-        Fault::KillDueLeader | Fault::KillBusiestTierLeader => cluster.kill(node),
-        Fault::StopDueLeaderFor10s => cluster.stop_node(node),
+        Fault::KillDueLeader | Fault::KillBusiestTierLeader => {
+            tokio::task::block_in_place(|| cluster.kill(node))
+        }
+        Fault::StopDueLeaderFor10s => tokio::task::block_in_place(|| cluster.stop_node(node)),
         Fault::KillDueLeaderAndAWorker => {
-            cluster.kill(node);
+            tokio::task::block_in_place(|| cluster.kill(node));
             let mut child = process.take().expect("the worker process");
             child.start_kill().expect("SIGKILL the worker");
             child.wait().await.unwrap();
@@ -261,7 +255,7 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         tokio::time::sleep(Duration::from_secs(10)).await;
     }
     // Crashed or stopped, the node comes back (for the next scenario too).
-    cluster.start_node(node);
+    tokio::task::block_in_place(|| cluster.start_node(node));
 
     let waited = Instant::now();
     while count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await > 0 {
