@@ -12,6 +12,17 @@ fn shards(urls: &[&String]) -> String {
     format!("[database]\nshards = [{}]\n", quoted.join(", "))
 }
 
+/// `lapse migrate` with `database` as the configuration's `[database]` section: its
+/// exit status, and what it printed (stdout, then stderr).
+fn migrate(env: &TestEnv, database: &str) -> (Option<i32>, String) {
+    env.write_config(database);
+    let out = env.lapse(&["migrate"]);
+    (
+        out.status.code(),
+        format!("{}{}", stdout(&out), stderr(&out)),
+    )
+}
+
 /// What a refused list says: the shard, where it was first migrated, and not to
 /// reorder.
 fn assert_names_the_move(text: &str, key: &str, recorded: u16) {
@@ -31,21 +42,12 @@ async fn a_reordered_shard_list_is_refused_naming_the_shard() {
     let urls = dbs.urls();
     let (a, b, c) = (&urls[0], &urls[1], &urls[2]);
 
-    env.write_config(&shards(&[a, b]));
-    let out = env.lapse(&["migrate"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}{}",
-        stdout(&out),
-        stderr(&out)
-    );
+    let (code, text) = migrate(&env, &shards(&[a, b]));
+    assert_eq!(code, Some(0), "{text}");
 
     // Swapped: `lapse migrate` refuses both, as a configuration error.
-    env.write_config(&shards(&[b, a]));
-    let out = env.lapse(&["migrate"]);
-    let text = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{}{text}", stdout(&out));
+    let (code, text) = migrate(&env, &shards(&[b, a]));
+    assert_eq!(code, Some(2), "{text}");
     assert_names_the_move(&text, "database.shards[0]", 1);
     assert_names_the_move(&text, "database.shards[1]", 0);
 
@@ -58,18 +60,14 @@ async fn a_reordered_shard_list_is_refused_naming_the_shard() {
     }
 
     // Shard 1 alone in database.url would be shard 0: refused too.
-    env.write_config(&format!("[database]\nurl = {b:?}\n"));
-    let out = env.lapse(&["migrate"]);
-    let text = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{text}");
+    let (code, text) = migrate(&env, &format!("[database]\nurl = {b:?}\n"));
+    assert_eq!(code, Some(2), "{text}");
     assert_names_the_move(&text, "database.url", 1);
 
     // A database new to the list, put first by mistake: refused with the rest, and
     // nothing is migrated or recorded, so the right list works afterwards.
-    env.write_config(&shards(&[c, a, b]));
-    let out = env.lapse(&["migrate"]);
-    let text = stderr(&out);
-    assert_eq!(out.status.code(), Some(2), "{text}");
+    let (code, text) = migrate(&env, &shards(&[c, a, b]));
+    assert_eq!(code, Some(2), "{text}");
     assert!(
         text.contains(
             "database.shards[0]): not migrated: database.shards[1], database.shards[2] of the \
@@ -81,15 +79,8 @@ async fn a_reordered_shard_list_is_refused_naming_the_shard() {
 
     // Growing the list at the end keeps every position: migrated, and a worker starts
     // on it (it is still running when stopped).
-    env.write_config(&shards(&[a, b, c]));
-    let out = env.lapse(&["migrate"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}{}",
-        stdout(&out),
-        stderr(&out)
-    );
+    let (code, text) = migrate(&env, &shards(&[a, b, c]));
+    assert_eq!(code, Some(0), "{text}");
     let mut child = spawn_worker(&env, &[("LAPSE_WORKER__MIGRATE_ON_START", "false")]);
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     if child.try_wait().unwrap().is_some() {
