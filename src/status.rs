@@ -111,21 +111,22 @@ pub async fn collect_with_grace<C: GenericClient>(
     topology: &Topology,
     release_grace: Duration,
 ) -> Result<Status, StatusError> {
-    let queues = queue_depths(conn, topology).await?;
+    let queues = queue_depths(conn, topology, broker::DEFAULT_CONFIRM_TIMEOUT).await?;
     let orders = order_figures(db, 0, release_grace).await?;
     Ok(Status::new(queues, vec![orders], release_grace, false))
 }
 
-/// Depth and consumers of every queue of `topology` (passive declares, each waiting
-/// at most the default confirm timeout: a silent broker fails the status, it does not
+/// Depth and consumers of every queue of `topology` (passive declares, each reply
+/// waited for at most `reply_timeout`: a silent broker fails the status, it does not
 /// hang it).
 pub async fn queue_depths(
     conn: &lapin::Connection,
     topology: &Topology,
+    reply_timeout: Duration,
 ) -> Result<Vec<QueueDepth>, StatusError> {
     let mut queues = Vec::new();
     for q in &topology.queues {
-        let counts = broker::queue_state_within(conn, &q.name, broker::DEFAULT_CONFIRM_TIMEOUT)
+        let counts = broker::queue_state_within(conn, &q.name, reply_timeout)
             .await?
             .counts();
         queues.push(QueueDepth {

@@ -147,8 +147,9 @@ impl Sources<'_> {
             return Err(Failure::Unreachable(down));
         };
         let outcome = self.measure(&conn, &clients, drift).await;
-        // A connection the broker dropped is opened again on the next refresh.
-        if conn.status().connected() {
+        // A connection the broker dropped, or one that left a question unanswered
+        // (it may stay open and silent), is opened again on the next refresh.
+        if outcome.is_ok() && conn.status().connected() {
             self.conn = Some(conn);
         }
         outcome
@@ -161,7 +162,8 @@ impl Sources<'_> {
         drift: bool,
     ) -> Result<(Status, Option<VerifyReport>), Failure> {
         let grace = self.config.sweeper.release_grace;
-        let queues = match crate::status::queue_depths(conn, &self.topology).await {
+        let reply_timeout = self.config.broker.confirm_timeout;
+        let queues = match crate::status::queue_depths(conn, &self.topology, reply_timeout).await {
             Ok(queues) => queues,
             Err(e) => return Err(self.failed(e, None)),
         };

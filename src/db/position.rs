@@ -58,8 +58,17 @@ pub async fn recorded_position(url: &Secret) -> Result<Option<i32>, DbError> {
             after: LOGIN_TIMEOUT,
         }));
     drop(client);
-    let _ = driver.await;
-    Ok(state?.position)
+    match state {
+        Ok(state) => {
+            let _ = driver.await;
+            Ok(state.position)
+        }
+        // A question still unanswered would keep the connection waiting for it.
+        Err(e) => {
+            driver.abort();
+            Err(e)
+        }
+    }
 }
 
 /// Records `position` unless one is recorded already, and checks the one recorded.

@@ -134,7 +134,9 @@ impl Schemas {
 /// First, without changing anything, every shard that answers is asked for its
 /// recorded position: when any was first migrated at another position (a reordered
 /// list), no shard is migrated and no position recorded, so a database new to the
-/// list is not recorded at a wrong position while the list is wrong.
+/// list is not recorded at a wrong position while the list is wrong. A shard that did
+/// not answer that question (a transient error) is not migrated in this round: its
+/// result is that error, so a silent server costs one bound, not two.
 pub async fn migrate_shards(
     database: &DatabaseConfig,
     settings: &Settings,
@@ -172,7 +174,13 @@ pub async fn migrate_shards(
     }
     let runs = shards
         .iter()
-        .map(|shard| super::migrate_shard(&shard.url, settings, shard.index));
+        .zip(recorded)
+        .map(|(shard, recorded)| async move {
+            match recorded {
+                Err(e) if e.is_transient() => Err(e),
+                _ => super::migrate_shard(&shard.url, settings, shard.index).await,
+            }
+        });
     let results = futures_util::future::join_all(runs).await;
     shards.into_iter().zip(results).collect()
 }

@@ -14,7 +14,7 @@ use lapse::amqp::broker::{BrokerError, Endpoint, Publisher};
 use lapse::config::Secret;
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{amqp_url, free_port, unique};
+use crate::helpers::{amqp_url, unique};
 use crate::tcp_proxy::{Mode, TcpProxy};
 
 const MESSAGES: usize = 3_000;
@@ -60,7 +60,7 @@ async fn acks_in_flight_when_the_connection_is_reset_all_end_within_the_bound() 
         }
 
         let cut = CancellationToken::new();
-        let proxy = TcpProxy::start(free_port(), upstream.clone(), Mode::CutOn(cut.clone()));
+        let proxy = TcpProxy::start(0, upstream.clone(), Mode::CutOn(cut.clone()));
         let url = format!(
             "amqp://{}:{}@127.0.0.1:{}/%2f",
             uri.authority.userinfo.username, uri.authority.userinfo.password, proxy.port
@@ -88,7 +88,12 @@ async fn acks_in_flight_when_the_connection_is_reset_all_end_within_the_bound() 
         let mut acks = tokio::task::JoinSet::new();
         let reset_after = 1_000 + round * 97;
         let mut received = 0;
-        while let Some(Ok(delivery)) = deliveries.next().await {
+        // Bounded too: a stream that neither delivers nor ends fails the test.
+        while let Some(Ok(delivery)) =
+            tokio::time::timeout(Duration::from_secs(60), deliveries.next())
+                .await
+                .expect("deliveries stopped without the stream ending")
+        {
             received += 1;
             // Past the bound and some slack, the ack is taken for hung (and the test
             // fails) rather than waited for.

@@ -237,15 +237,11 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         every_connection_is_on(cluster, &prefix, &leader).await;
     }
     let fault_at = db_now(&db).await;
-    // The cluster script blocks for seconds: off the runtime's worker threads, so the
-    // in-process workers are not starved meanwhile.
     match fault {
-        Fault::KillDueLeader | Fault::KillBusiestTierLeader => {
-            tokio::task::block_in_place(|| cluster.kill(node))
-        }
-        Fault::StopDueLeaderFor10s => tokio::task::block_in_place(|| cluster.stop_node(node)),
+        Fault::KillDueLeader | Fault::KillBusiestTierLeader => cluster.kill(node),
+        Fault::StopDueLeaderFor10s => cluster.stop_node(node),
         Fault::KillDueLeaderAndAWorker => {
-            tokio::task::block_in_place(|| cluster.kill(node));
+            cluster.kill(node);
             let mut child = process.take().expect("the worker process");
             child.start_kill().expect("SIGKILL the worker");
             child.wait().await.unwrap();
@@ -255,7 +251,7 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         tokio::time::sleep(Duration::from_secs(10)).await;
     }
     // Crashed or stopped, the node comes back (for the next scenario too).
-    tokio::task::block_in_place(|| cluster.start_node(node));
+    cluster.start_node(node);
 
     let waited = Instant::now();
     while count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await > 0 {

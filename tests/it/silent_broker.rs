@@ -13,7 +13,7 @@ use lapse::amqp::broker::{BrokerError, Endpoint};
 use lapse::amqp::publishing::{Outgoing, PublishingConnection};
 use lapse::config::Secret;
 
-use crate::helpers::{amqp_url, free_port};
+use crate::helpers::amqp_url;
 use crate::tcp_proxy::{Mode, TcpProxy};
 
 /// How long the tests let lapse wait for a reply.
@@ -27,7 +27,7 @@ fn silent_broker() -> (TcpProxy, Arc<AtomicBool>, Endpoint) {
     let uri = lapin::uri::AMQPUri::from_str(&amqp_url()).unwrap();
     let upstream = (uri.authority.host.clone(), uri.authority.port);
     let frozen = Arc::new(AtomicBool::new(false));
-    let proxy = TcpProxy::start(free_port(), upstream, Mode::FreezeOn(frozen.clone()));
+    let proxy = TcpProxy::start(0, upstream, Mode::FreezeOn(frozen.clone()));
     let url = format!(
         "amqp://{}:{}@127.0.0.1:{}/{}",
         uri.authority.userinfo.username,
@@ -135,14 +135,24 @@ async fn a_publishing_connection_replaces_a_connection_that_went_silent() {
         "{reopened:?}"
     );
 
-    // The broker answers new connections again; the silent one stays silent.
+    // The broker answers new connections again; the silent one stays silent, so only
+    // a replaced connection publishes. A few tries: on a loaded machine a step of the
+    // fresh connection may itself take longer than the 1 s bound.
     frozen.store(false, Ordering::SeqCst);
-    let again = tokio::time::timeout(HUNG, publishing.publish(message()))
-        .await
-        .expect("bounded");
+    let mut tries = Vec::new();
+    for _ in 0..5 {
+        let again = tokio::time::timeout(HUNG, publishing.publish(message()))
+            .await
+            .expect("bounded");
+        let done = answered(&again);
+        tries.push(again);
+        if done {
+            break;
+        }
+    }
     assert!(
-        answered(&again),
-        "published on a fresh connection: {again:?}"
+        tries.last().is_some_and(answered),
+        "published on a fresh connection: {tries:?}"
     );
     publishing.close().await;
 }
@@ -160,11 +170,14 @@ async fn queue_depths_on_a_silent_broker_fail_instead_of_hanging() {
     );
     let conn = endpoint.connect("lapse test silent status").await.unwrap();
     frozen.store(true, Ordering::SeqCst);
-    let depths = tokio::time::timeout(HUNG, lapse::status::queue_depths(&conn, &topology))
-        .await
-        .expect("queue depths waited without a bound");
+    let depths = tokio::time::timeout(
+        HUNG,
+        lapse::status::queue_depths(&conn, &topology, REPLY_TIMEOUT),
+    )
+    .await
+    .expect("queue depths waited without a bound");
     let error = depths
         .expect_err("no depths from a silent broker")
         .to_string();
-    assert!(error.contains("no reply to `queue.declare`"), "{error}");
+    assert!(error.contains("no reply to `channel.open`"), "{error}");
 }

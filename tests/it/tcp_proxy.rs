@@ -44,10 +44,12 @@ impl TcpProxy {
         Self::start(port, postgres_address(), mode)
     }
 
-    /// In front of `upstream`, listening on `port` from now on; stops (closing every
-    /// connection) when dropped.
+    /// In front of `upstream`, listening on `port` (0: any free port, see `port`) from
+    /// now on; stops (closing every connection) when dropped.
     pub fn start(port: u16, upstream: (String, u16), mode: Mode) -> Self {
         let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        // Port 0: the system picks a free one (no race with other tests for it).
+        let port = listener.local_addr().unwrap().port();
         listener.set_nonblocking(true).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {

@@ -79,18 +79,27 @@ pub async fn passive_declare(channel: &Channel, queue: &str) -> Result<QueueStat
 pub async fn queue_state(conn: &Connection, queue: &str) -> Result<QueueState, BrokerError> {
     let channel = open_channel(conn).await?;
     let state = passive_declare(&channel, queue).await?;
-    if channel.status().connected() {
-        let close = channel.close(200, "asked".into());
-        let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
-    }
+    close_briefly(&channel).await;
     Ok(state)
 }
 
-/// [`queue_state`] waiting at most `after` for the broker ([`BrokerError::ReplyTimeout`]).
+/// [`queue_state`] waiting at most `after` for each of the broker's replies
+/// ([`BrokerError::ReplyTimeout`] naming the step).
 pub async fn queue_state_within(
     conn: &Connection,
     queue: &str,
     after: Duration,
 ) -> Result<QueueState, BrokerError> {
-    super::within(after, "queue.declare", queue_state(conn, queue)).await
+    let channel = super::within(after, "channel.open", open_channel(conn)).await?;
+    let state = super::within(after, "queue.declare", passive_declare(&channel, queue)).await?;
+    close_briefly(&channel).await;
+    Ok(state)
+}
+
+/// Closes a channel that is still open, waiting at most 2 s.
+async fn close_briefly(channel: &Channel) {
+    if channel.status().connected() {
+        let close = channel.close(200, "asked".into());
+        let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
+    }
 }
