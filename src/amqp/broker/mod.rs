@@ -45,7 +45,7 @@ pub enum BrokerError {
     #[error("no confirm from the broker within {after:?} (publishing blocked by a broker alarm?)")]
     ConfirmTimeout { after: Duration },
     #[error(
-        "no reply to `{op}` from the broker within {after:?} (the queue's leader moving or the node overloaded?); attaching again"
+        "no reply to `{op}` from the broker within {after:?} (the queue's leader moving, the node overloaded or gone silent?)"
     )]
     ReplyTimeout { op: &'static str, after: Duration },
     #[error(

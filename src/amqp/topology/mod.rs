@@ -12,7 +12,7 @@ mod apply;
 mod verify;
 
 pub use apply::{ApplyReport, Drift, PruneReport, apply, prune};
-pub use verify::{Check, CheckStatus, VerifyReport, verify};
+pub use verify::{Check, CheckStatus, VerifyReport, check_limit, verify};
 
 use std::collections::BTreeMap;
 use std::fmt;
