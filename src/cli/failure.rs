@@ -179,6 +179,13 @@ fn broker(e: &BrokerError) -> Option<Failure> {
                 ExitStatus::Unreachable,
                 format!("cannot reach the broker of broker.url: {e}"),
             )),
+            // Connected, then silent: as good as unreachable for a command.
+            BrokerError::ReplyTimeout { .. } | BrokerError::AckTimeout { .. } => {
+                Some(Failure::new(
+                    ExitStatus::Unreachable,
+                    format!("the broker of broker.url stopped answering: {e}"),
+                ))
+            }
             _ => None,
         };
     };
@@ -308,6 +315,22 @@ mod tests {
         assert!(
             f.message
                 .contains("database.shards[1]: unreadable value: lapse_settings"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn a_broker_that_stopped_answering_is_unreachable() {
+        let error = anyhow::Error::new(BrokerError::ReplyTimeout {
+            op: "queue.declare",
+            after: std::time::Duration::from_secs(15),
+        })
+        .context("lapse status");
+        let f = explain(&error);
+        assert_eq!(f.status, ExitStatus::Unreachable);
+        assert!(
+            f.message.contains("stopped answering") && f.message.contains("queue.declare"),
             "{}",
             f.message
         );

@@ -99,11 +99,16 @@ pub enum ParkedError {
 }
 
 impl ParkedError {
-    /// True when the broker could not be reached at all.
+    /// True when the broker could not be reached at all, or stopped answering.
     pub fn unreachable(&self) -> bool {
         matches!(
             self,
-            ParkedError::Broker(BrokerError::Connect(_) | BrokerError::CertificateRejected { .. })
+            ParkedError::Broker(
+                BrokerError::Connect(_)
+                    | BrokerError::CertificateRejected { .. }
+                    | BrokerError::ConnectTimeout { .. }
+                    | BrokerError::ReplyTimeout { .. }
+            )
         )
     }
 }
@@ -139,24 +144,35 @@ impl Pass {
     ) -> Result<Vec<Item>, ParkedError> {
         let queue = self.names.parked();
         let lock = format!("{queue}.lock");
-        let lock_channel = broker::open_channel(conn).await?;
+        // Each reply waited for at most the confirm timeout: a broker gone silent fails
+        // the pass (nothing is acknowledged before its copy is confirmed).
+        let after = self.endpoint.confirm_timeout;
+        let lock_channel =
+            broker::within(after, "channel.open", broker::open_channel(conn)).await?;
         let exclusive = QueueDeclareOptions {
             exclusive: true,
             auto_delete: true,
             ..Default::default()
         };
-        if let Err(e) = lock_channel
-            .queue_declare(lock.as_str().into(), exclusive, FieldTable::default())
-            .await
-        {
+        let locked = tokio::time::timeout(
+            after,
+            lock_channel.queue_declare(lock.as_str().into(), exclusive, FieldTable::default()),
+        )
+        .await
+        .map_err(|_| BrokerError::ReplyTimeout {
+            op: "queue.declare",
+            after,
+        })?;
+        if let Err(e) = locked {
             return Err(if resource_locked(&e) {
                 ParkedError::Busy(queue)
             } else {
                 BrokerError::amqp("queue.declare")(e).into()
             });
         }
-        let reader = broker::open_channel(conn).await?;
-        let total = match broker::passive_declare(&reader, &queue).await? {
+        let reader = broker::within(after, "channel.open", broker::open_channel(conn)).await?;
+        let asked = broker::passive_declare(&reader, &queue);
+        let total = match broker::within(after, "queue.declare", asked).await? {
             QueueState::Exists(counts) => counts.messages,
             QueueState::Missing => return Err(ParkedError::NoQueue(queue)),
         };
@@ -166,10 +182,13 @@ impl Pass {
         while taken < total {
             let mut chunk = Vec::new();
             while chunk.len() < CHUNK && taken < total {
-                let got = reader
-                    .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-                    .await
-                    .map_err(BrokerError::amqp("basic.get"))?;
+                let get = async {
+                    reader
+                        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+                        .await
+                        .map_err(BrokerError::amqp("basic.get"))
+                };
+                let got = broker::within(after, "basic.get", get).await?;
                 match got {
                     Some(m) => {
                         chunk.push(m.delivery);
