@@ -122,7 +122,7 @@ pub enum Command {
             help::OK,
             (1, "a message was not found or not replayed, or another parked command is running"),
             help::USAGE,
-            (3, "the broker could not be reached"),
+            (3, "the broker could not be reached, or stopped answering"),
         ],
     ))]
     Parked {

@@ -22,7 +22,7 @@ const EXIT_CODES: &[(u8, &str)] = &[
         "bad arguments or configuration (also: purge without --yes when stdin is not a \
          terminal)",
     ),
-    (3, "the broker could not be reached"),
+    (3, "the broker could not be reached, or stopped answering"),
 ];
 
 #[derive(Debug, Subcommand)]

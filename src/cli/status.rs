@@ -177,9 +177,7 @@ impl Sources<'_> {
         let status = Status::new(queues, shards, grace, self.config.database.sharded());
         let report = if drift {
             let vhost = broker::vhost(&self.config.broker.url);
-            let check = crate::amqp::topology::verify(conn, None, &vhost, &self.topology);
-            let limit = crate::amqp::topology::check_limit(self.config.broker.confirm_timeout);
-            match broker::within(limit, "the topology check", check).await {
+            match crate::amqp::topology::verify(conn, None, &vhost, &self.topology).await {
                 Ok(report) => Some(report),
                 Err(e) => return Err(Failure::Unreachable(vec![self.broker_down(&e)])),
             }

@@ -108,6 +108,7 @@ impl ParkedError {
                     | BrokerError::CertificateRejected { .. }
                     | BrokerError::ConnectTimeout { .. }
                     | BrokerError::ReplyTimeout { .. }
+                    | BrokerError::AckTimeout { .. }
             )
         )
     }

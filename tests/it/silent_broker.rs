@@ -181,3 +181,32 @@ async fn queue_depths_on_a_silent_broker_fail_instead_of_hanging() {
         .to_string();
     assert!(error.contains("no reply to `channel.open`"), "{error}");
 }
+
+/// `lapse topology verify` and `lapse status --check` compare the broker with the
+/// tier file over AMQP: on a connection that went silent the check fails with a reply
+/// timeout naming the step, after the declare bound, instead of hanging.
+#[tokio::test]
+async fn a_topology_check_on_a_silent_broker_fails_instead_of_hanging() {
+    let (_proxy, frozen, endpoint) = silent_broker();
+    let tiers = lapse::tier_file::TierFile::parse("tiers = [\"1s\"]\n").unwrap();
+    let topology = lapse::amqp::topology::Topology::new(
+        &lapse::names::Names::new(crate::helpers::unique("silent")),
+        &tiers,
+    );
+    let conn = endpoint.connect("lapse test silent check").await.unwrap();
+    frozen.store(true, Ordering::SeqCst);
+    let bound = lapse::amqp::topology::REPLY_TIMEOUT;
+    let checked = tokio::time::timeout(
+        bound + HUNG,
+        lapse::amqp::topology::verify(&conn, None, "/", &topology),
+    )
+    .await
+    .expect("the topology check waited without a bound");
+    match checked {
+        Err(BrokerError::ReplyTimeout { op, after }) => {
+            assert_eq!((op, after), ("channel.open", bound));
+        }
+        Err(other) => panic!("expected a reply timeout, got {other}"),
+        Ok(report) => panic!("a silent broker passed the check: {report:?}"),
+    }
+}

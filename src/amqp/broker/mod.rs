@@ -49,7 +49,7 @@ pub enum BrokerError {
     )]
     ReplyTimeout { op: &'static str, after: Duration },
     #[error(
-        "an acknowledgement was not handed to the connection within {after:?} (the connection died as it was queued?); attaching again"
+        "an acknowledgement was not handed to the connection within {after:?} (the connection died as it was queued?)"
     )]
     AckTimeout { after: Duration },
     #[error("the broker blocks publishing on this connection: {reason}")]

@@ -106,20 +106,19 @@ pub(crate) async fn declare_exchange(
     e: &ExchangeSpec,
     passive: bool,
 ) -> Result<Declared, BrokerError> {
-    let channel = broker::open_channel(conn).await?;
+    let channel = open(conn).await?;
     let options = ExchangeDeclareOptions {
         durable: true,
         passive,
         ..Default::default()
     };
-    let result = channel
-        .exchange_declare(
-            e.name.as_str().into(),
-            lapin_kind(e.kind),
-            options,
-            super::field_table(&e.arguments),
-        )
-        .await;
+    let declared = channel.exchange_declare(
+        e.name.as_str().into(),
+        lapin_kind(e.kind),
+        options,
+        super::field_table(&e.arguments),
+    );
+    let result = replied("exchange.declare", declared).await?;
     finish(channel, &e.name, result.map(|_| ())).await
 }
 
@@ -141,7 +140,7 @@ async fn declare_queue_keeping(
     passive: bool,
     mut kept: Vec<String>,
 ) -> Result<Declared, BrokerError> {
-    let channel = broker::open_channel(conn).await?;
+    let channel = open(conn).await?;
     let options = QueueDeclareOptions {
         durable: true,
         passive,
@@ -152,9 +151,8 @@ async fn declare_queue_keeping(
     } else {
         super::field_table(&q.arguments)
     };
-    let result = channel
-        .queue_declare(q.name.as_str().into(), options, args)
-        .await;
+    let declared = channel.queue_declare(q.name.as_str().into(), options, args);
+    let result = replied("queue.declare", declared).await?;
     match finish(channel, &q.name, result.map(|_| ())).await? {
         // The group size and the leader locator only matter when the queue is
         // created: declare again with what the existing queue has, so that the other
@@ -210,10 +208,40 @@ async fn finish(
             }
         }
     };
-    if channel.status().connected() {
-        let _ = channel.close(200, "done".into()).await;
-    }
+    close(&channel).await;
     Ok(outcome)
+}
+
+/// How long each of the broker's replies to a declare, a binding or a channel opening
+/// is waited for. Declaring even a new quorum queue on a cluster answers within
+/// seconds; a broker gone silent after the connect fails `topology apply`, `verify`
+/// and `lapse status --check` instead of hanging them (the management API's requests
+/// have bounds of their own).
+pub const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn open(conn: &Connection) -> Result<lapin::Channel, BrokerError> {
+    broker::within(REPLY_TIMEOUT, "channel.open", broker::open_channel(conn)).await
+}
+
+/// The broker's reply to `step`, or [`BrokerError::ReplyTimeout`] after
+/// [`REPLY_TIMEOUT`].
+async fn replied<T>(
+    op: &'static str,
+    step: impl std::future::Future<Output = Result<T, lapin::Error>>,
+) -> Result<Result<T, lapin::Error>, BrokerError> {
+    tokio::time::timeout(REPLY_TIMEOUT, step)
+        .await
+        .map_err(|_| BrokerError::ReplyTimeout {
+            op,
+            after: REPLY_TIMEOUT,
+        })
+}
+
+async fn close(channel: &lapin::Channel) {
+    if channel.status().connected() {
+        let done = channel.close(200, "done".into());
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), done).await;
+    }
 }
 
 /// Declares everything; drift on one object does not stop the others.
@@ -230,20 +258,19 @@ pub async fn apply(conn: &Connection, topology: &Topology) -> Result<ApplyReport
     for q in &topology.queues {
         record(&q.name, declare_queue(conn, q, false).await?);
     }
-    let mut channel = broker::open_channel(conn).await?;
+    let mut channel = open(conn).await?;
     for b in &topology.bindings {
         if !channel.status().connected() {
-            channel = broker::open_channel(conn).await?;
+            channel = open(conn).await?;
         }
-        let bound = channel
-            .queue_bind(
-                b.queue.as_str().into(),
-                b.exchange.as_str().into(),
-                b.routing_key.as_str().into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await;
+        let binding = channel.queue_bind(
+            b.queue.as_str().into(),
+            b.exchange.as_str().into(),
+            b.routing_key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        );
+        let bound = replied("queue.bind", binding).await?;
         if let Err(e) = bound {
             // A queue or exchange that failed above cannot be bound; say so and go on.
             report.failures.push(format!(
@@ -252,9 +279,7 @@ pub async fn apply(conn: &Connection, topology: &Topology) -> Result<ApplyReport
             ));
         }
     }
-    if channel.status().connected() {
-        let _ = channel.close(200, "done".into()).await;
-    }
+    close(&channel).await;
     Ok(report)
 }
 
@@ -289,38 +314,36 @@ pub async fn prune(
         if topology.queue(&q.name).is_some() {
             continue;
         }
-        let channel = broker::open_channel(conn).await?;
+        let channel = open(conn).await?;
         let name = q.name.as_str();
-        channel
-            .queue_unbind(
-                name.into(),
-                delay.as_str().into(),
-                tier.into(),
-                FieldTable::default(),
-            )
-            .await?;
-        let depth = broker::passive_declare(&channel, name)
+        let unbind = channel.queue_unbind(
+            name.into(),
+            delay.as_str().into(),
+            tier.into(),
+            FieldTable::default(),
+        );
+        replied("queue.unbind", unbind).await??;
+        let asked = broker::passive_declare(&channel, name);
+        let depth = broker::within(REPLY_TIMEOUT, "queue.declare", asked)
             .await?
             .existing(name)?
             .messages;
         if depth == 0 {
-            channel
-                .queue_delete(name.into(), QueueDeleteOptions::default())
-                .await?;
+            let delete = channel.queue_delete(name.into(), QueueDeleteOptions::default());
+            replied("queue.delete", delete).await??;
             report.deleted.push(q.name.clone());
         } else {
-            channel
-                .queue_bind(
-                    name.into(),
-                    delay.as_str().into(),
-                    tier.into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await?;
+            let bind = channel.queue_bind(
+                name.into(),
+                delay.as_str().into(),
+                tier.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            );
+            replied("queue.bind", bind).await??;
             report.kept.push((q.name.clone(), u64::from(depth)));
         }
-        let _ = channel.close(200, "done".into()).await;
+        close(&channel).await;
     }
     Ok(report)
 }

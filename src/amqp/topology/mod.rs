@@ -11,8 +11,8 @@
 mod apply;
 mod verify;
 
-pub use apply::{ApplyReport, Drift, PruneReport, apply, prune};
-pub use verify::{Check, CheckStatus, VerifyReport, check_limit, verify};
+pub use apply::{ApplyReport, Drift, PruneReport, REPLY_TIMEOUT, apply, prune};
+pub use verify::{Check, CheckStatus, VerifyReport, verify};
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -17,14 +17,6 @@ use super::{ArgValue, GROUP_SIZE_ARG, LEADER_LOCATOR_ARG, QueueSpec, Topology};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::management::{Management, QueueInfo};
 
-/// How long a whole check may wait for the broker, given `broker.confirm_timeout`:
-/// four of them. Its passive declares on existing objects answer within milliseconds;
-/// a broker that went silent after the connect must fail the check (`lapse status
-/// --check --watch` refreshes again), not hang it.
-pub fn check_limit(confirm_timeout: std::time::Duration) -> std::time::Duration {
-    confirm_timeout.saturating_mul(4)
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckStatus {
