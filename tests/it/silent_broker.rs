@@ -40,6 +40,15 @@ fn silent_broker() -> (TcpProxy, Arc<AtomicBool>, Endpoint) {
     (proxy, frozen, endpoint)
 }
 
+/// A topology with one tier, under a prefix of its own (nothing is declared).
+fn one_tier() -> lapse::amqp::topology::Topology {
+    let tiers = lapse::tier_file::TierFile::parse("tiers = [\"1s\"]\n").unwrap();
+    lapse::amqp::topology::Topology::new(
+        &lapse::names::Names::new(crate::helpers::unique("silent")),
+        &tiers,
+    )
+}
+
 fn urlencoding(vhost: &str) -> String {
     vhost.replace('%', "%25").replace('/', "%2f")
 }
@@ -163,11 +172,7 @@ async fn a_publishing_connection_replaces_a_connection_that_went_silent() {
 #[tokio::test]
 async fn queue_depths_on_a_silent_broker_fail_instead_of_hanging() {
     let (_proxy, frozen, endpoint) = silent_broker();
-    let tiers = lapse::tier_file::TierFile::parse("tiers = [\"1s\"]\n").unwrap();
-    let topology = lapse::amqp::topology::Topology::new(
-        &lapse::names::Names::new(crate::helpers::unique("silent")),
-        &tiers,
-    );
+    let topology = one_tier();
     let conn = endpoint.connect("lapse test silent status").await.unwrap();
     frozen.store(true, Ordering::SeqCst);
     let depths = tokio::time::timeout(
@@ -188,11 +193,7 @@ async fn queue_depths_on_a_silent_broker_fail_instead_of_hanging() {
 #[tokio::test]
 async fn a_topology_check_on_a_silent_broker_fails_instead_of_hanging() {
     let (_proxy, frozen, endpoint) = silent_broker();
-    let tiers = lapse::tier_file::TierFile::parse("tiers = [\"1s\"]\n").unwrap();
-    let topology = lapse::amqp::topology::Topology::new(
-        &lapse::names::Names::new(crate::helpers::unique("silent")),
-        &tiers,
-    );
+    let topology = one_tier();
     let conn = endpoint.connect("lapse test silent check").await.unwrap();
     frozen.store(true, Ordering::SeqCst);
     let bound = lapse::amqp::topology::REPLY_TIMEOUT;
