@@ -48,8 +48,7 @@ impl BatchSource {
         prefetch: u16,
         reply_timeout: Duration,
     ) -> Result<Self, BrokerError> {
-        let channel =
-            broker::within(reply_timeout, "channel.open", broker::open_channel(conn)).await?;
+        let channel = broker::open_channel_within(conn, reply_timeout).await?;
         let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
         broker::within(reply_timeout, "basic.qos", async {
             qos.await.map_err(BrokerError::amqp("basic.qos"))
@@ -161,10 +160,7 @@ impl BatchSource {
     /// Stops consuming and closes the channel; unacknowledged deliveries go back to
     /// the queue.
     pub async fn close(self) {
-        if self.channel.status().connected() {
-            let close = self.channel.close(200, "shutting down".into());
-            let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
-        }
+        broker::close_channel_quietly(&self.channel, "shutting down").await;
     }
 }
 

@@ -148,30 +148,22 @@ impl Pass {
         // Each reply waited for at most the confirm timeout: a broker gone silent fails
         // the pass (nothing is acknowledged before its copy is confirmed).
         let after = self.endpoint.confirm_timeout;
-        let lock_channel =
-            broker::within(after, "channel.open", broker::open_channel(conn)).await?;
+        let lock_channel = broker::open_channel_within(conn, after).await?;
         let exclusive = QueueDeclareOptions {
             exclusive: true,
             auto_delete: true,
             ..Default::default()
         };
-        let locked = tokio::time::timeout(
-            after,
-            lock_channel.queue_declare(lock.as_str().into(), exclusive, FieldTable::default()),
-        )
-        .await
-        .map_err(|_| BrokerError::ReplyTimeout {
-            op: "queue.declare",
-            after,
-        })?;
-        if let Err(e) = locked {
+        let declared =
+            lock_channel.queue_declare(lock.as_str().into(), exclusive, FieldTable::default());
+        if let Err(e) = broker::replied(after, "queue.declare", declared).await? {
             return Err(if resource_locked(&e) {
                 ParkedError::Busy(queue)
             } else {
                 BrokerError::amqp("queue.declare")(e).into()
             });
         }
-        let reader = broker::within(after, "channel.open", broker::open_channel(conn)).await?;
+        let reader = broker::open_channel_within(conn, after).await?;
         let asked = broker::passive_declare(&reader, &queue);
         let total = match broker::within(after, "queue.declare", asked).await? {
             QueueState::Exists(counts) => counts.messages,
@@ -183,13 +175,11 @@ impl Pass {
         while taken < total {
             let mut chunk = Vec::new();
             while chunk.len() < CHUNK && taken < total {
-                let get = async {
-                    reader
-                        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-                        .await
-                        .map_err(BrokerError::amqp("basic.get"))
-                };
-                let got = broker::within(after, "basic.get", get).await?;
+                let get =
+                    reader.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false });
+                let got = broker::replied(after, "basic.get", get)
+                    .await?
+                    .map_err(BrokerError::amqp("basic.get"))?;
                 match got {
                     Some(m) => {
                         chunk.push(m.delivery);
@@ -202,10 +192,7 @@ impl Pass {
         }
         // Unacknowledged messages (failures) return to the queue here.
         for c in [&reader, publisher.channel(), &lock_channel] {
-            if c.status().connected() {
-                let close = c.close(200, "parked pass done".into());
-                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), close).await;
-            }
+            broker::close_channel_quietly(c, "parked pass done").await;
         }
         Ok(items)
     }

@@ -22,7 +22,8 @@ mod queue;
 
 pub use publisher::{Outgoing, Publisher};
 pub use queue::{
-    QueueCounts, QueueState, open_channel, passive_declare, queue_state, queue_state_within,
+    QueueCounts, QueueState, close_channel_quietly, open_channel, open_channel_within,
+    passive_declare, queue_state, queue_state_within,
 };
 
 use crate::amqp::tls::{self, TlsFiles};
@@ -107,6 +108,19 @@ pub async fn within<T>(
     tokio::time::timeout(after, reply)
         .await
         .unwrap_or(Err(BrokerError::ReplyTimeout { op, after }))
+}
+
+/// Like [`within`] for a lapin call whose own error the caller reads (a 404, a 406, a
+/// locked queue): the broker's answer as lapin gave it, or
+/// [`BrokerError::ReplyTimeout`] when none came within `after`.
+pub async fn replied<T>(
+    after: Duration,
+    op: &'static str,
+    reply: impl std::future::Future<Output = lapin::Result<T>>,
+) -> Result<lapin::Result<T>, BrokerError> {
+    tokio::time::timeout(after, reply)
+        .await
+        .map_err(|_| BrokerError::ReplyTimeout { op, after })
 }
 
 impl crate::runtime::backoff::SessionError for BrokerError {
@@ -212,7 +226,7 @@ impl Endpoint {
     /// stall in it.
     pub async fn publisher(&self, conn: &Connection) -> Result<Publisher, BrokerError> {
         let after = self.confirm_timeout;
-        let channel = within(after, "channel.open", open_channel(conn)).await?;
+        let channel = open_channel_within(conn, after).await?;
         let publisher = within(after, "confirm.select", Publisher::on(channel)).await?;
         Ok(publisher.with_confirm_timeout(after))
     }

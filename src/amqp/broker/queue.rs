@@ -46,7 +46,7 @@ impl QueueState {
     }
 }
 
-/// Opens a channel on `conn`.
+/// Opens a channel on `conn` (not bounded: see [`open_channel_within`]).
 pub async fn open_channel(conn: &Connection) -> Result<Channel, BrokerError> {
     conn.create_channel()
         .await
@@ -79,7 +79,7 @@ pub async fn passive_declare(channel: &Channel, queue: &str) -> Result<QueueStat
 pub async fn queue_state(conn: &Connection, queue: &str) -> Result<QueueState, BrokerError> {
     let channel = open_channel(conn).await?;
     let state = passive_declare(&channel, queue).await?;
-    close_briefly(&channel).await;
+    close_channel_quietly(&channel, "asked").await;
     Ok(state)
 }
 
@@ -90,16 +90,26 @@ pub async fn queue_state_within(
     queue: &str,
     after: Duration,
 ) -> Result<QueueState, BrokerError> {
-    let channel = super::within(after, "channel.open", open_channel(conn)).await?;
+    let channel = open_channel_within(conn, after).await?;
     let state = super::within(after, "queue.declare", passive_declare(&channel, queue)).await?;
-    close_briefly(&channel).await;
+    close_channel_quietly(&channel, "asked").await;
     Ok(state)
 }
 
-/// Closes a channel that is still open, waiting at most 2 s.
-async fn close_briefly(channel: &Channel) {
+/// Opens a channel on `conn`, waiting at most `after` for the broker's reply.
+pub async fn open_channel_within(
+    conn: &Connection,
+    after: Duration,
+) -> Result<Channel, BrokerError> {
+    super::within(after, "channel.open", open_channel(conn)).await
+}
+
+/// Closes a channel that is still open, waiting at most 2 s (a broker gone silent
+/// never answers `channel.close`; its unacknowledged deliveries return to their queue
+/// when the connection goes).
+pub async fn close_channel_quietly(channel: &Channel, reason: &str) {
     if channel.status().connected() {
-        let close = channel.close(200, "asked".into());
+        let close = channel.close(200, reason.into());
         let _ = tokio::time::timeout(Duration::from_secs(2), close).await;
     }
 }

@@ -220,28 +220,19 @@ async fn finish(
 pub const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 async fn open(conn: &Connection) -> Result<lapin::Channel, BrokerError> {
-    broker::within(REPLY_TIMEOUT, "channel.open", broker::open_channel(conn)).await
+    broker::open_channel_within(conn, REPLY_TIMEOUT).await
 }
 
-/// The broker's reply to `step`, or [`BrokerError::ReplyTimeout`] after
-/// [`REPLY_TIMEOUT`].
+/// The broker's reply to `step` within [`REPLY_TIMEOUT`] (see [`broker::replied`]).
 async fn replied<T>(
     op: &'static str,
-    step: impl std::future::Future<Output = Result<T, lapin::Error>>,
-) -> Result<Result<T, lapin::Error>, BrokerError> {
-    tokio::time::timeout(REPLY_TIMEOUT, step)
-        .await
-        .map_err(|_| BrokerError::ReplyTimeout {
-            op,
-            after: REPLY_TIMEOUT,
-        })
+    step: impl std::future::Future<Output = lapin::Result<T>>,
+) -> Result<lapin::Result<T>, BrokerError> {
+    broker::replied(REPLY_TIMEOUT, op, step).await
 }
 
 async fn close(channel: &lapin::Channel) {
-    if channel.status().connected() {
-        let done = channel.close(200, "done".into());
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), done).await;
-    }
+    broker::close_channel_quietly(channel, "done").await;
 }
 
 /// Declares everything; drift on one object does not stop the others.
