@@ -74,9 +74,8 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     {
         return Some(unreachable_database(&e.to_string()));
     }
-    if let Some(
-        e @ (crate::db::DbError::ShardMoved { .. } | crate::db::DbError::ListMoved { .. }),
-    ) = cause.downcast_ref::<crate::db::DbError>()
+    if let Some(e) = cause.downcast_ref::<crate::db::DbError>()
+        && e.is_reordered_list()
     {
         return Some(Failure::new(
             ExitStatus::Usage,

@@ -43,10 +43,7 @@ pub async fn run(config: &Config, args: MigrateArgs) -> anyhow::Result<ExitStatu
             }
             Err(e) => {
                 failed += 1;
-                moved |= matches!(
-                    e,
-                    db::DbError::ShardMoved { .. } | db::DbError::ListMoved { .. }
-                );
+                moved |= e.is_reordered_list();
                 let why = redact(&e.detail()).into_owned();
                 if !args.json {
                     eprintln!(

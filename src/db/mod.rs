@@ -102,6 +102,12 @@ pub fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
 }
 
 impl DbError {
+    /// True when the list of order databases was reordered ([`DbError::ShardMoved`],
+    /// [`DbError::ListMoved`]): a configuration error.
+    pub fn is_reordered_list(&self) -> bool {
+        matches!(self, DbError::ShardMoved { .. } | DbError::ListMoved { .. })
+    }
+
     /// True when retrying the same work later may succeed: the connection or the
     /// server was away, or the transaction lost a race (deadlock, serialization
     /// failure, lock or statement timeout). False for what would fail again: a
