@@ -32,6 +32,7 @@ mod publish_faults;
 mod queues;
 mod reconciler_pacing;
 mod redelivery;
+mod release_batches;
 mod release_repair;
 mod secrets;
 mod shards;
