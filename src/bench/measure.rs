@@ -10,6 +10,12 @@ use super::report::{Lateness, ScenarioReport};
 
 /// Waits until no order is UNPAID and every closed order's stock is released, or
 /// `limit` passed. Returns the orders still open or unreleased (lost if non-zero).
+///
+/// The poll reads the two partial indexes lapse keeps small (`UNPAID` orders and closed
+/// orders without `released_at`), so it costs the same at 100 orders and at 1,000,000
+/// and does not take the database's CPU from the drain it measures. The answer then
+/// comes from the ledger itself, once: a closed order without its `release` rows is
+/// lost whatever its stamp says.
 pub async fn wait_settled(
     db: &Client,
     total: u64,
@@ -21,19 +27,27 @@ pub async fn wait_settled(
         let row = db
             .query_one(
                 "SELECT (SELECT count(*) FROM orders WHERE status = 'UNPAID'),
-                        (SELECT count(*) FROM orders o WHERE status = 'CLOSED' AND NOT EXISTS
-                           (SELECT 1 FROM stock_ledger l WHERE l.order_id = o.id AND l.kind = 'release'))",
+                        (SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL)",
                 &[],
             )
             .await?;
-        let (open, unreleased): (i64, i64) = (row.get(0), row.get(1));
-        let pending = (open + unreleased) as u64;
+        let (open, unstamped): (i64, i64) = (row.get(0), row.get(1));
         progress.set(total.saturating_sub(open as u64));
-        if pending == 0 || Instant::now() >= until {
-            return Ok(pending);
+        if open + unstamped == 0 || Instant::now() >= until {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let row = db
+        .query_one(
+            "SELECT (SELECT count(*) FROM orders WHERE status = 'UNPAID'),
+                    (SELECT count(*) FROM orders o WHERE status = 'CLOSED' AND NOT EXISTS
+                       (SELECT 1 FROM stock_ledger l WHERE l.order_id = o.id AND l.kind = 'release'))",
+            &[],
+        )
+        .await?;
+    let (open, unreleased): (i64, i64) = (row.get(0), row.get(1));
+    Ok((open + unreleased) as u64)
 }
 
 /// Fills lateness, early count, hops, paths and closes/s over time from the closes
