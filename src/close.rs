@@ -81,6 +81,14 @@ pub(crate) use release_outbox_insert;
 /// `FOR NO KEY UPDATE`, the one the UPDATE itself takes: it does not conflict with the
 /// key-share locks of inserts into tables that reference `orders`, so an application
 /// writing such a row (an audit entry, a shipment) does not defer the close.
+///
+/// UNPAID is spelled `paid_at IS NULL AND closed_at IS NULL`, which the table's CHECK
+/// constraints make the same as `status = 'UNPAID'` (every order is UNPAID, PAID with
+/// `paid_at`, or CLOSED with `closed_at`). Written as `status = 'UNPAID'`, the condition
+/// matches the predicate of the partial index `orders_unpaid_by_deadline`, and with
+/// statistics older than the table (never analyzed, or a backlog created since) the
+/// planner scanned that index for every overdue order on each batch, twice, instead of
+/// looking up the batch's own ids: work per batch that grew with the backlog.
 const CLOSE_SQL: &str = concat!(
     "
 WITH due AS (
@@ -89,18 +97,18 @@ WITH due AS (
 ),
 eligible AS (
     SELECT o.id FROM orders o JOIN due d ON o.id = d.id
-     WHERE o.status = 'UNPAID' AND o.deadline_version = d.v AND o.expire_at <= now()
+     WHERE o.paid_at IS NULL AND o.closed_at IS NULL AND o.deadline_version = d.v AND o.expire_at <= now()
 ),
 locked AS (
     SELECT o.id, d.hops FROM orders o JOIN due d ON o.id = d.id
-     WHERE o.status = 'UNPAID' AND o.deadline_version = d.v AND o.expire_at <= now()
+     WHERE o.paid_at IS NULL AND o.closed_at IS NULL AND o.deadline_version = d.v AND o.expire_at <= now()
        FOR NO KEY UPDATE OF o SKIP LOCKED
 ),
 closed AS (
     UPDATE orders o
        SET status = 'CLOSED', closed_at = clock_timestamp(), close_reason = $4
       FROM locked l, due d
-     WHERE o.id = l.id AND d.id = l.id AND o.status = 'UNPAID'
+     WHERE o.id = l.id AND d.id = l.id AND o.paid_at IS NULL AND o.closed_at IS NULL
        AND o.deadline_version = d.v AND o.expire_at <= now()
     RETURNING o.id, o.expire_at, o.closed_at, l.hops
 ),

@@ -5,6 +5,7 @@
 mod ack_reset;
 mod alarm;
 mod backlog;
+mod batch_reads;
 mod bench;
 mod chain;
 mod cli_help;
@@ -32,7 +33,6 @@ mod publish_faults;
 mod queues;
 mod reconciler_pacing;
 mod redelivery;
-mod release_batches;
 mod release_repair;
 mod secrets;
 mod shards;

@@ -1,0 +1,252 @@
+//! One close or release transaction against a large backlog: it reads rows in
+//! proportion to its batch, not to the backlog, even when the planner's statistics are
+//! older than the table (never analyzed, or a burst since the last analyze); and a
+//! repeated release changes nothing, not even the first stamp.
+
+use std::time::Duration;
+
+use lapse::amqp::batch::Batching;
+use lapse::close::{Candidate, CloseReason, close_due};
+use lapse::components::releaser::Releaser;
+use lapse::db::Pools;
+
+use crate::helpers::{TestEnv, count, eventually};
+
+/// Orders in the backlog a batch is part of.
+const BACKLOG: i64 = 5_000;
+
+fn releaser(env: &TestEnv) -> Releaser {
+    Releaser {
+        pools: Pools::single(lapse::db::pool(&env.config().database, 2).unwrap()),
+        names: env.names(),
+        stats: lapse::observe::stats::Stats::default(),
+        batching: Batching::from_config(&env.config().worker),
+    }
+}
+
+/// `n` more orders closed straight in the tables, as a burst of closes leaves them,
+/// each with one line of `tea` reserved and no release yet.
+async fn closed_unreleased(db: &tokio_postgres::Client, n: i64) {
+    orders(db, n, "'CLOSED', now() - interval '1 minute', now()").await;
+}
+
+/// `n` more UNPAID orders, overdue by a minute, each with one line of `tea` reserved.
+async fn overdue(db: &tokio_postgres::Client, n: i64) {
+    orders(db, n, "'UNPAID', now() - interval '1 minute', NULL").await;
+}
+
+/// `n` orders of `(status, expire_at, closed_at)`, with lines, ledger and stock.
+async fn orders(db: &tokio_postgres::Client, n: i64, row: &str) {
+    db.batch_execute(&format!(
+        "INSERT INTO stock (sku, available, reserved) VALUES ('tea', 0, 0) ON CONFLICT DO NOTHING;
+         WITH o AS (
+             INSERT INTO orders (status, expire_at, closed_at)
+             SELECT {row} FROM generate_series(1, {n})
+             RETURNING id),
+         l AS (INSERT INTO order_lines (order_id, sku, qty) SELECT id, 'tea', 1 FROM o)
+         INSERT INTO stock_ledger (order_id, sku, kind, qty) SELECT id, 'tea', 'reserve', 1 FROM o;
+         UPDATE stock SET reserved = reserved + {n} WHERE sku = 'tea';"
+    ))
+    .await
+    .unwrap();
+}
+
+/// Rows read from `orders` by sequential scans and index entries read from its
+/// partial indexes, as the statistics collector has them so far.
+async fn backlog_reads(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'orders')
+              + (SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
+                  WHERE relname = 'orders' AND indexrelname <> 'orders_pkey')",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Index scans of `orders_pkey` so far.
+async fn pkey_scans(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT coalesce(idx_scan, 0) FROM pg_stat_user_indexes WHERE indexrelname = 'orders_pkey'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// A database whose `orders` statistics never see the backlog (autovacuum off for
+/// the table, no ANALYZE), as after a burst before the next analyze.
+async fn never_analyzed(env: &TestEnv) -> tokio_postgres::Client {
+    let db = env.db().await;
+    db.batch_execute("ALTER TABLE orders SET (autovacuum_enabled = false)")
+        .await
+        .unwrap();
+    db
+}
+
+/// The ids of the newest `n` orders.
+async fn newest(db: &tokio_postgres::Client, n: i64) -> Vec<i64> {
+    db.query("SELECT id FROM orders ORDER BY id DESC LIMIT $1", &[&n])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Rows and partial-index entries of `orders` that `act` read, as the statistics
+/// collector reports them (`act` runs on connections of its own and must look up at
+/// least one row by primary key).
+async fn reads_of<F: std::future::Future<Output = ()>>(db: &tokio_postgres::Client, act: F) -> i64 {
+    // The setup's own reads, flushed first.
+    db.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = backlog_reads(db).await;
+    let scans_before = pkey_scans(db).await;
+    act.await;
+    // A connection reports its counters once idle (within about a second).
+    eventually(Duration::from_secs(20), "the reads reported", || async {
+        (pkey_scans(db).await > scans_before).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    backlog_reads(db).await - before
+}
+
+#[tokio::test]
+async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let db = never_analyzed(&env).await;
+    overdue(&db, BACKLOG).await;
+    let batch: Vec<Candidate> = newest(&db, 8)
+        .await
+        .into_iter()
+        .map(|order_id| Candidate {
+            order_id,
+            deadline_version: 1,
+            hops: 1,
+        })
+        .collect();
+    let mut closer = env.db().await;
+    let read = reads_of(&db, async {
+        let tx = closer.transaction().await.unwrap();
+        let report = close_due(&tx, &batch, CloseReason::Timeout, Duration::from_secs(5))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(report.closed.len(), 8);
+        assert!(report.locked.is_empty());
+    })
+    .await;
+    assert!(
+        read < BACKLOG / 10,
+        "one close batch of 8 read {read} rows or index entries of a backlog of {BACKLOG}"
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        8
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE kind = 'stock.release'"
+        )
+        .await,
+        8
+    );
+    drop((db, closer));
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_release_batch_reads_its_own_orders_not_the_backlog() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let db = never_analyzed(&env).await;
+    closed_unreleased(&db, BACKLOG).await;
+    let batch = newest(&db, 8).await;
+    let releaser = releaser(&env);
+    let read = reads_of(&db, async {
+        let outcome = releaser.release(0, &batch).await.unwrap();
+        assert_eq!(outcome.applied, 8);
+        assert!(outcome.held.is_empty());
+    })
+    .await;
+    assert!(
+        read < BACKLOG / 10,
+        "one release batch of 8 read {read} rows or index entries of a backlog of {BACKLOG}"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE released_at IS NOT NULL"
+        )
+        .await,
+        8
+    );
+    assert_eq!(
+        count(&db, "SELECT reserved FROM stock WHERE sku = 'tea'").await,
+        BACKLOG - 8
+    );
+    drop(db);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let db = env.db().await;
+    closed_unreleased(&db, 3).await;
+    let ids: Vec<i64> = db
+        .query("SELECT id FROM orders ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let releaser = releaser(&env);
+    assert_eq!(releaser.release(0, &ids[..2]).await.unwrap().applied, 2);
+    let stamps =
+        "SELECT id, released_at::text AS at FROM orders WHERE released_at IS NOT NULL ORDER BY id";
+    let first: Vec<(i64, String)> = db
+        .query(stamps, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(first.len(), 2);
+    // Again, with the third order, and one id twice.
+    let again = [ids[0], ids[1], ids[2], ids[2]];
+    assert_eq!(releaser.release(0, &again).await.unwrap().applied, 1);
+    let second: Vec<(i64, String)> = db
+        .query(stamps, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(second.len(), 3);
+    assert_eq!(
+        &second[..2],
+        &first[..],
+        "the first stamps stay as they were"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        count(&db, "SELECT reserved FROM stock WHERE sku = 'tea'").await,
+        0
+    );
+    drop(db);
+    env.cleanup().await;
+}
