@@ -1,6 +1,6 @@
 //! `lapse bench`: measure lapse on the user's own broker and database, next to the
 //! broker alone, with its own database and prefix, and clean up afterwards (also when
-//! a scenario fails or Ctrl-C interrupts it).
+//! a scenario fails or Ctrl-C or SIGTERM interrupts it).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -26,7 +26,7 @@ const DEFAULT_DEADLINES: &str = "5s,15s,6300ms,7770ms,9010ms,11500ms,13250ms,169
     ],
     &[
         (0, "the run finished and every order closed, none early"),
-        (1, "an order closed early or was lost, a worker exited, or Ctrl-C interrupted the run"),
+        (1, "an order closed early or was lost, a worker exited, or Ctrl-C or SIGTERM interrupted the run"),
         help::USAGE,
         help::UNREACHABLE,
     ],
@@ -151,9 +151,11 @@ pub async fn run(
     check_worker_exe(&args)?;
     let mut env = bench::env::BenchEnv::create(config, config_file, &prefix, &database).await?;
     env.worker_exe = args.worker_exe.clone();
+    // SIGTERM too (a `timeout`, a CI runner, a service manager): cleaned up like Ctrl-C.
+    let stop = crate::runtime::shutdown::on_signal();
     let outcome = tokio::select! {
         r = bench::run(&mut env, args.scenario, &options) => Some(r),
-        _ = tokio::signal::ctrl_c() => None,
+        _ = stop.cancelled() => None,
     };
     let cleaned = env.cleanup().await;
     let report = match outcome {

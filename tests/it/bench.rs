@@ -253,3 +253,97 @@ fn bad_values_are_usage_errors_naming_the_option() {
         assert!(stderr(&out).contains(named), "{args:?}: {}", stderr(&out));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_run_removes_workers_queues_and_database() {
+    let guard = Leftovers {
+        prefix: unique("bench"),
+        database: unique("bench"),
+    };
+    let admin = database_url("postgres");
+    let amqp = amqp_url();
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("LAPSE_") {
+            cmd.env_remove(key);
+        }
+    }
+    let bench = cmd
+        .args([
+            "bench",
+            "steady",
+            "--rate",
+            "40",
+            "--duration",
+            "10m",
+            "--raw-duration",
+            "1s",
+            "--raw-burst",
+            "100",
+            "--prefix",
+            &guard.prefix,
+            "--database",
+            &guard.database,
+        ])
+        .envs([
+            ("LAPSE_DATABASE__URL", admin.as_str()),
+            ("LAPSE_BROKER__URL", amqp.as_str()),
+            ("LAPSE_LOG", "warn"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start lapse bench");
+    // Mid-run: its database exists and its worker runs.
+    let worker_env = format!("LAPSE_BROKER__PREFIX={}", guard.prefix);
+    crate::helpers::eventually(
+        std::time::Duration::from_secs(120),
+        "the steady load under way",
+        || async {
+            let (_, database) = guard.names().await;
+            (database && !processes_with_env(&worker_env).is_empty()).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let pid = bench.id().expect("running").to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), bench.wait_with_output())
+        .await
+        .expect("exits after SIGTERM")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("interrupted"), "{}", stderr(&out));
+    let (queues, database) = guard.names().await;
+    assert!(queues.is_empty(), "queues left behind: {queues:?}");
+    assert!(!database, "database left behind");
+    let workers = processes_with_env(&worker_env);
+    assert!(workers.is_empty(), "workers left running: {workers:?}");
+}
+
+/// Live processes whose environment holds `entry` (`KEY=value`).
+fn processes_with_env(entry: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for dir in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = dir.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(dir.path().join("environ")) else {
+            continue;
+        };
+        let zombie = std::fs::read_to_string(dir.path().join("stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        });
+        if !zombie && environ.split(|b| *b == 0).any(|e| e == entry.as_bytes()) {
+            found.push(pid);
+        }
+    }
+    found
+}
