@@ -82,13 +82,16 @@ pub(crate) use release_outbox_insert;
 /// key-share locks of inserts into tables that reference `orders`, so an application
 /// writing such a row (an audit entry, a shipment) does not defer the close.
 ///
+/// Each order is reached by primary key, whatever the planner's statistics say (never
+/// analyzed, or a backlog created since the last analyze): the lock and the eligibility
+/// check look up one row per id (`LATERAL ... OFFSET 0`, which the planner cannot turn
+/// into a join over the whole table), and the UPDATE names its rows as an id array.
 /// UNPAID is spelled `paid_at IS NULL AND closed_at IS NULL`, which the table's CHECK
 /// constraints make the same as `status = 'UNPAID'` (every order is UNPAID, PAID with
-/// `paid_at`, or CLOSED with `closed_at`). Written as `status = 'UNPAID'`, the condition
-/// matches the predicate of the partial index `orders_unpaid_by_deadline`, and with
-/// statistics older than the table (never analyzed, or a backlog created since) the
-/// planner scanned that index for every overdue order on each batch, twice, instead of
-/// looking up the batch's own ids: work per batch that grew with the backlog.
+/// `paid_at`, or CLOSED with `closed_at`), because `status = 'UNPAID'` matches the
+/// predicate of the partial index `orders_unpaid_by_deadline`: with stale statistics the
+/// planner scanned that index for every overdue order, twice per batch. Joined directly
+/// to the batch, the same conditions made it scan the whole table once per batch row.
 const CLOSE_SQL: &str = concat!(
     "
 WITH due AS (
@@ -96,20 +99,26 @@ WITH due AS (
       FROM unnest($1::bigint[], $2::int[], $3::int[]) AS d(id, v, hops)
 ),
 eligible AS (
-    SELECT o.id FROM orders o JOIN due d ON o.id = d.id
-     WHERE o.paid_at IS NULL AND o.closed_at IS NULL AND o.deadline_version = d.v AND o.expire_at <= now()
+    SELECT o.id FROM due d CROSS JOIN LATERAL (
+        SELECT o.id FROM orders o
+         WHERE o.id = d.id AND o.paid_at IS NULL AND o.closed_at IS NULL
+           AND o.deadline_version = d.v AND o.expire_at <= now()
+        OFFSET 0) o
 ),
 locked AS (
-    SELECT o.id, d.hops FROM orders o JOIN due d ON o.id = d.id
-     WHERE o.paid_at IS NULL AND o.closed_at IS NULL AND o.deadline_version = d.v AND o.expire_at <= now()
-       FOR NO KEY UPDATE OF o SKIP LOCKED
+    SELECT o.id, d.v, d.hops FROM due d CROSS JOIN LATERAL (
+        SELECT o.id FROM orders o
+         WHERE o.id = d.id AND o.paid_at IS NULL AND o.closed_at IS NULL
+           AND o.deadline_version = d.v AND o.expire_at <= now()
+        OFFSET 0 FOR NO KEY UPDATE OF o SKIP LOCKED) o
 ),
 closed AS (
     UPDATE orders o
        SET status = 'CLOSED', closed_at = clock_timestamp(), close_reason = $4
-      FROM locked l, due d
-     WHERE o.id = l.id AND d.id = l.id AND o.paid_at IS NULL AND o.closed_at IS NULL
-       AND o.deadline_version = d.v AND o.expire_at <= now()
+      FROM locked l
+     WHERE o.id = ANY(ARRAY(SELECT id FROM locked)) AND o.id = l.id
+       AND o.paid_at IS NULL AND o.closed_at IS NULL
+       AND o.deadline_version = l.v AND o.expire_at <= now()
     RETURNING o.id, o.expire_at, o.closed_at, l.hops
 ),
 release AS (
