@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use chrono::{DateTime, Utc};
 
 use super::Meter;
@@ -35,10 +36,18 @@ pub async fn burst(env: &mut BenchEnv, orders: u64) -> anyhow::Result<ScenarioRe
     // their deadline, so closes competed with creation, and a slower run had its last
     // statements refused as more than 5 s in the past).
     let now: DateTime<Utc> = db.query_one("SELECT now()", &[]).await?.get(0);
-    let ahead = Duration::from_millis(3_000 + orders * 2 / 3);
+    let ahead = Duration::from_millis(3_000u64.saturating_add(orders.saturating_mul(2) / 3));
     let at = now + chrono::Duration::from_std(ahead)?;
     let progress = Progress::new("burst: created", orders);
-    load::create_at(&db, orders, Some(at), &progress).await?;
+    load::create_at(&db, orders, Some(at), &progress)
+        .await
+        .with_context(|| {
+            format!(
+                "creating {orders} orders before their shared deadline, {} s ahead (room for \
+                 1,500 orders/s): on a slower machine use a smaller --orders",
+                ahead.as_secs()
+            )
+        })?;
     progress.finish();
     let done: DateTime<Utc> = db.query_one("SELECT clock_timestamp()", &[]).await?.get(0);
     report.figure("created_before_deadline_s", (at - done).as_seconds_f64());

@@ -149,25 +149,33 @@ pub async fn run(
         .unwrap_or_else(|| format!("lapse_bench_{pid}"));
     let options = options(&args);
     check_worker_exe(&args)?;
+    // SIGTERM too (a `timeout`, a CI runner, a service manager): cleaned up like Ctrl-C.
+    // Both handlers are in place before anything is created.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let interrupt = tokio::signal::ctrl_c();
     let mut env = bench::env::BenchEnv::create(config, config_file, &prefix, &database).await?;
     env.worker_exe = args.worker_exe.clone();
-    // SIGTERM too (a `timeout`, a CI runner, a service manager): cleaned up like Ctrl-C.
-    let stop = crate::runtime::shutdown::on_signal();
     let outcome = tokio::select! {
+        biased;
+        _ = interrupt => None,
+        _ = term.recv() => None,
         r = bench::run(&mut env, args.scenario, &options) => Some(r),
-        _ = stop.cancelled() => None,
     };
     let cleaned = env.cleanup().await;
+    if let Err(e) = &cleaned {
+        eprintln!("warning: cleaning up after the benchmark: {e}");
+    }
     let report = match outcome {
-        None => {
+        None if cleaned.is_ok() => {
             eprintln!("interrupted: the benchmark's workers, queues and database were removed");
+            return Ok(ExitStatus::Failed);
+        }
+        None => {
+            eprintln!("interrupted");
             return Ok(ExitStatus::Failed);
         }
         Some(r) => r?,
     };
-    if let Err(e) = cleaned {
-        eprintln!("warning: {e}");
-    }
     output(&report, &args)
 }
 

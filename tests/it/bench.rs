@@ -47,6 +47,12 @@ impl Leftovers {
 impl Drop for Leftovers {
     fn drop(&mut self) {
         let (prefix, database) = (self.prefix.clone(), self.database.clone());
+        // Workers of a run that did not clean up (the test failed before it could).
+        for pid in processes_with_env(&format!("LAPSE_BROKER__PREFIX={prefix}")) {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
             rt.block_on(async move {
