@@ -116,6 +116,27 @@ async fn reads_of<F: std::future::Future<Output = ()>>(db: &tokio_postgres::Clie
     last - before
 }
 
+/// The newest `n` orders matching `condition`.
+async fn newest_where(db: &tokio_postgres::Client, condition: &str, n: i64) -> Vec<i64> {
+    db.query(
+        &format!("SELECT id FROM orders WHERE {condition} ORDER BY id DESC LIMIT $1"),
+        &[&n],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// A batch of `size` read (far) fewer rows than the backlog holds.
+fn assert_own_rows(what: &str, size: i64, read: i64) {
+    assert!(
+        read < BACKLOG / 10,
+        "one {what} batch of {size} read {read} rows or index entries of a backlog of {BACKLOG}"
+    );
+}
+
 #[tokio::test]
 async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
     let env = TestEnv::with_database(&["1s"]).await;
@@ -125,16 +146,11 @@ async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
     let mut closed = 0;
     // A small batch, and one of a draining worker's size.
     for size in [8, 500] {
-        let batch: Vec<Candidate> = db
-            .query(
-                "SELECT id FROM orders WHERE status = 'UNPAID' ORDER BY id DESC LIMIT $1",
-                &[&size],
-            )
+        let batch: Vec<Candidate> = newest_where(&db, "status = 'UNPAID'", size)
             .await
-            .unwrap()
-            .iter()
-            .map(|r| Candidate {
-                order_id: r.get(0),
+            .into_iter()
+            .map(|order_id| Candidate {
+                order_id,
                 deadline_version: 1,
                 hops: 1,
             })
@@ -149,10 +165,7 @@ async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
             assert!(report.locked.is_empty());
         })
         .await;
-        assert!(
-            read < BACKLOG / 10,
-            "one close batch of {size} read {read} rows or index entries of a backlog of {BACKLOG}"
-        );
+        assert_own_rows("close", size, read);
         closed += size;
         assert_eq!(
             count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
@@ -177,46 +190,30 @@ async fn a_release_batch_reads_its_own_orders_not_the_backlog() {
     let db = never_analyzed(&env).await;
     closed_unreleased(&db, BACKLOG).await;
     let releaser = releaser(&env);
-    let mut released = 0;
     // A small batch only: for hundreds of ids in a table of a few thousand rows, one
     // scan of the table is what the planner rightly finds cheaper than the lookups
     // (one scan per statement; the close's test covers a large batch, where a join
     // misestimated at one row once meant one scan per id).
-    for size in [8] {
-        let batch: Vec<i64> = db
-            .query(
-                "SELECT id FROM orders WHERE released_at IS NULL ORDER BY id DESC LIMIT $1",
-                &[&size],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let read = reads_of(&db, async {
-            let outcome = releaser.release(0, &batch).await.unwrap();
-            assert_eq!(outcome.applied, size);
-            assert!(outcome.held.is_empty());
-        })
-        .await;
-        assert!(
-            read < BACKLOG / 10,
-            "one release batch of {size} read {read} rows or index entries of a backlog of {BACKLOG}"
-        );
-        released += size;
-        assert_eq!(
-            count(
-                &db,
-                "SELECT count(*) FROM orders WHERE released_at IS NOT NULL"
-            )
-            .await,
-            released
-        );
-        assert_eq!(
-            count(&db, "SELECT reserved FROM stock WHERE sku = 'tea'").await,
-            BACKLOG - released
-        );
-    }
+    let batch = newest_where(&db, "released_at IS NULL", 8).await;
+    let read = reads_of(&db, async {
+        let outcome = releaser.release(0, &batch).await.unwrap();
+        assert_eq!(outcome.applied, 8);
+        assert!(outcome.held.is_empty());
+    })
+    .await;
+    assert_own_rows("release", 8, read);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE released_at IS NOT NULL"
+        )
+        .await,
+        8
+    );
+    assert_eq!(
+        count(&db, "SELECT reserved FROM stock WHERE sku = 'tea'").await,
+        BACKLOG - 8
+    );
     drop(db);
     env.cleanup().await;
 }
@@ -226,13 +223,8 @@ async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
     let env = TestEnv::with_database(&["1s"]).await;
     let db = env.db().await;
     closed_unreleased(&db, 3).await;
-    let ids: Vec<i64> = db
-        .query("SELECT id FROM orders ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let mut ids = newest_where(&db, "true", 3).await;
+    ids.reverse();
     let releaser = releaser(&env);
     assert_eq!(releaser.release(0, &ids[..2]).await.unwrap().applied, 2);
     let stamps =
