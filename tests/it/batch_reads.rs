@@ -218,6 +218,19 @@ async fn a_release_batch_reads_its_own_orders_not_the_backlog() {
     env.cleanup().await;
 }
 
+/// Every stamped order with its `released_at`, by id.
+async fn stamps(db: &tokio_postgres::Client) -> Vec<(i64, String)> {
+    db.query(
+        "SELECT id, released_at::text FROM orders WHERE released_at IS NOT NULL ORDER BY id",
+        &[],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
 #[tokio::test]
 async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
     let env = TestEnv::with_database(&["1s"]).await;
@@ -227,26 +240,12 @@ async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
     ids.reverse();
     let releaser = releaser(&env);
     assert_eq!(releaser.release(0, &ids[..2]).await.unwrap().applied, 2);
-    let stamps =
-        "SELECT id, released_at::text AS at FROM orders WHERE released_at IS NOT NULL ORDER BY id";
-    let first: Vec<(i64, String)> = db
-        .query(stamps, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let first = stamps(&db).await;
     assert_eq!(first.len(), 2);
     // Again, with the third order, and one id twice.
     let again = [ids[0], ids[1], ids[2], ids[2]];
     assert_eq!(releaser.release(0, &again).await.unwrap().applied, 1);
-    let second: Vec<(i64, String)> = db
-        .query(stamps, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let second = stamps(&db).await;
     assert_eq!(second.len(), 3);
     assert_eq!(
         &second[..2],

@@ -268,13 +268,7 @@ async fn sigterm_mid_run_removes_workers_queues_and_database() {
     };
     let admin = database_url("postgres");
     let amqp = amqp_url();
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("LAPSE_") {
-            cmd.env_remove(key);
-        }
-    }
-    let bench = cmd
+    let bench = crate::helpers::lapse_process()
         .args([
             "bench",
             "steady",

@@ -460,15 +460,21 @@ pub async fn assert_never_early(db: &tokio_postgres::Client) {
     assert_eq!(early, 0, "{early} orders closed before their deadline");
 }
 
-/// `lapse worker` as a process with the env's config file and `vars` (no inherited
-/// `LAPSE_` variable), stdout discarded, stderr piped; killed when dropped.
-pub fn spawn_worker(env: &TestEnv, vars: &[(&str, &str)]) -> tokio::process::Child {
+/// The binary as an async process without the test's own `LAPSE_` variables.
+pub fn lapse_process() -> tokio::process::Command {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_lapse"));
     for (key, _) in std::env::vars() {
         if key.starts_with("LAPSE_") {
             cmd.env_remove(key);
         }
     }
+    cmd
+}
+
+/// `lapse worker` as a process with the env's config file and `vars` (no inherited
+/// `LAPSE_` variable), stdout discarded, stderr piped; killed when dropped.
+pub fn spawn_worker(env: &TestEnv, vars: &[(&str, &str)]) -> tokio::process::Child {
+    let mut cmd = lapse_process();
     cmd.args(["--config", env.config_path().to_str().unwrap(), "worker"])
         .envs(vars.iter().copied())
         .stdout(std::process::Stdio::null())
