@@ -137,6 +137,9 @@ impl BatchSource {
                 Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
                 next = self.consumer.next() => batch.push(Self::unwrap(next)?),
                 _ = tokio::time::sleep_until(until) => break,
+                // A long window (up to 10 s) must not hold up a shutdown: what has
+                // arrived is handled now.
+                _ = token.cancelled() => break,
             }
         }
         Ok(Some(batch))
@@ -298,6 +301,14 @@ impl Batching {
             prefetch: w.prefetch,
             batch_size: w.batch_size.min(usize::from(w.prefetch)),
             batch_window: w.batch_window,
+        }
+    }
+
+    /// The stock releaser's: `[worker]`'s sizes with `worker.release_batch_window`.
+    pub fn for_releaser(w: &crate::config::WorkerConfig) -> Self {
+        Self {
+            batch_window: w.release_batch_window,
+            ..Self::from_config(w)
         }
     }
 }

@@ -144,6 +144,11 @@ pub struct WorkerConfig {
     /// How long to wait for a batch to fill once its first delivery arrived.
     #[serde(with = "humantime_serde")]
     pub batch_window: Duration,
+    /// How long the stock releaser's batch may wait to fill after its first event.
+    /// Releases carry no lateness promise: a longer window than the consumer's turns
+    /// many one-event transactions into few larger ones at low and moderate rates.
+    #[serde(with = "humantime_serde")]
+    pub release_batch_window: Duration,
     /// Deprecated: the relay's key [`RelayConfig::tier_tolerance`]. Still read (with a
     /// warning) when `relay.tier_tolerance` is not set; never used otherwise.
     #[serde(
@@ -255,6 +260,7 @@ impl Default for Config {
                 prefetch: 1000,
                 batch_size: 100,
                 batch_window: Duration::from_millis(2),
+                release_batch_window: Duration::from_millis(50),
                 tier_tolerance: None,
                 max_attempts: 8,
                 retry_backoff: Duration::from_millis(500),

@@ -57,6 +57,11 @@ fn env_overrides_file() {
         let config = load().unwrap();
         assert_eq!(config.broker.prefix, "from-env");
         assert_eq!(config.worker.batch_window, Duration::from_millis(7));
+        assert_eq!(
+            config.worker.release_batch_window,
+            Duration::from_millis(50),
+            "the releaser's own window keeps its default"
+        );
         Ok(())
     });
 }
@@ -128,6 +133,11 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
             ("[worker]\nlock_retry = \"0s\"", "worker.lock_retry"),
             ("[worker]\nlock_retry = \"3y\"", "worker.lock_retry"),
             ("[worker]\nstall_limit = \"0s\"", "worker.stall_limit"),
+            ("[worker]\nbatch_window = \"1h\"", "worker.batch_window"),
+            (
+                "[worker]\nrelease_batch_window = \"11s\"",
+                "worker.release_batch_window",
+            ),
             (
                 "[database]\nstatement_timeout = \"0s\"",
                 "database.statement_timeout",

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use super::{BrokerConfig, Config, ConfigError, Secret};
 
+/// The longest `worker.batch_window` and `worker.release_batch_window` accepted.
+pub const MAX_BATCH_WINDOW: Duration = Duration::from_secs(10);
+
 impl Config {
     /// Intervals and timeouts where zero would make a loop spin or switch a
     /// protection off.
@@ -24,6 +27,22 @@ impl Config {
             Some(crate::tier::MAX_HOLD),
         )?;
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
+        // A batch's first delivery waits unacknowledged for the whole window: past
+        // seconds it would only add lateness (or hold stock) and near the broker's
+        // consumer_timeout it would cost the channel. Zero takes what is there.
+        let window_max = Some(MAX_BATCH_WINDOW);
+        within(
+            "worker.batch_window",
+            self.worker.batch_window,
+            Duration::ZERO,
+            window_max,
+        )?;
+        within(
+            "worker.release_batch_window",
+            self.worker.release_batch_window,
+            Duration::ZERO,
+            window_max,
+        )?;
         // Shorter than a second, every shutdown would be abandoned (exit 1).
         let second = Duration::from_secs(1);
         within(

@@ -177,7 +177,7 @@ impl Starter<'_> {
                 pools: pools()?,
                 names: config.names(),
                 stats: stats.clone(),
-                batching: crate::amqp::batch::Batching::from_config(w),
+                batching: crate::amqp::batch::Batching::for_releaser(w),
             };
             self.add("releaser", move |b, h, t| releaser.clone().run(b, h, t));
         }

@@ -34,6 +34,7 @@ mod queues;
 mod reconciler_pacing;
 mod redelivery;
 mod release_repair;
+mod release_window;
 mod secrets;
 mod shards;
 mod silent_broker;
