@@ -308,12 +308,6 @@ impl Config {
         positive("worker.max_attempts", u64::from(self.worker.max_attempts))?;
         positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
-        if self.sweeper.release_grace.is_zero() {
-            return Err(ConfigError::new(
-                "sweeper.release_grace",
-                "must be greater than 0 (releases still in flight would be emitted again)",
-            ));
-        }
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(
                 "topology.quorum_group_size",
@@ -321,6 +315,15 @@ impl Config {
             ));
         }
         self.validate_intervals()?;
+        // The reconciler re-emits releases older than release_grace; a release still
+        // in flight or waiting in the releaser's window must not count as lost.
+        if self.sweeper.release_grace <= self.worker.release_batch_window {
+            return Err(ConfigError::new(
+                "sweeper.release_grace",
+                "must be greater than 0 and than worker.release_batch_window (releases \
+                 still in flight would be emitted again)",
+            ));
+        }
         if self.orders.initial_stock < 0 {
             return Err(ConfigError::new(
                 "orders.initial_stock",

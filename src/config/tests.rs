@@ -80,6 +80,10 @@ fn errors_name_the_key_and_hide_secrets() {
             ("[database]\nurl = \"::s3cret::\"", "database.url"),
             ("[broker]\nprefix = \"a b\"", "broker.prefix"),
             ("[sweeper]\nrelease_grace = \"0s\"", "sweeper.release_grace"),
+            (
+                "[sweeper]\nrelease_grace = \"2s\"\n[worker]\nrelease_batch_window = \"2s\"",
+                "sweeper.release_grace",
+            ),
         ];
         for (text, key) in cases {
             jail.create_file("lapse.toml", text)?;
