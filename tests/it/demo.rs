@@ -19,19 +19,29 @@ use crate::helpers::{
 
 const TIERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/topology/default.toml");
 
-/// The demo's base names (its prefix and database derive from them), and cleanup of
+/// A demo run's base names (its prefix and database derive from them), and cleanup of
 /// whatever a run left under them — also when the test fails half-way.
 struct Demo {
+    bases: Bases,
+    dir: tempfile::TempDir,
+}
+
+/// The base names alone: what cleanup needs. No `Drop` of its own, so a cleanup that
+/// panics (a broker without its management API, say) fails the test once instead of
+/// starting another cleanup.
+#[derive(Clone)]
+struct Bases {
     base_prefix: String,
     base_db: String,
-    dir: tempfile::TempDir,
 }
 
 impl Demo {
     fn new() -> Self {
         Self {
-            base_prefix: unique("demo"),
-            base_db: unique("demo"),
+            bases: Bases {
+                base_prefix: unique("demo"),
+                base_db: unique("demo"),
+            },
             dir: tempfile::tempdir().unwrap(),
         }
     }
@@ -45,19 +55,29 @@ impl Demo {
         let svg = self.svg();
         full.push(&svg);
         full.extend_from_slice(args);
-        let db = database_url(&self.base_db);
+        let db = database_url(&self.bases.base_db);
         run_lapse(
             &full,
             &[
                 ("LAPSE_BROKER__URL", &amqp_url()),
                 ("LAPSE_BROKER__MANAGEMENT_URL", &management_url()),
-                ("LAPSE_BROKER__PREFIX", &self.base_prefix),
+                ("LAPSE_BROKER__PREFIX", &self.bases.base_prefix),
                 ("LAPSE_DATABASE__URL", &db),
                 ("LAPSE_TOPOLOGY__FILE", TIERS),
             ],
         )
     }
 
+    async fn leftovers(&self) -> (Vec<String>, Vec<String>) {
+        self.bases.leftovers().await
+    }
+
+    async fn remove(&self) {
+        self.bases.remove().await
+    }
+}
+
+impl Bases {
     /// Queues (by name) and databases whose names start with this test's bases.
     async fn leftovers(&self) -> (Vec<String>, Vec<String>) {
         let management = Management::new(&Secret::new(management_url())).unwrap();
@@ -128,15 +148,11 @@ impl Drop for Demo {
         if !std::thread::panicking() {
             return;
         }
-        let demo = Demo {
-            base_prefix: self.base_prefix.clone(),
-            base_db: self.base_db.clone(),
-            dir: tempfile::tempdir().unwrap(),
-        };
+        let bases = self.bases.clone();
         let _ = std::thread::spawn(move || {
             tokio::runtime::Runtime::new()
                 .unwrap()
-                .block_on(demo.remove());
+                .block_on(bases.remove());
         })
         .join();
     }
@@ -298,7 +314,7 @@ async fn a_small_demo_accounts_for_every_order_draws_its_picture_and_leaves_noth
     }
 
     let prefix = r["prefix"].as_str().unwrap();
-    assert!(prefix.starts_with(&format!("{}-demo-", demo.base_prefix)));
+    assert!(prefix.starts_with(&format!("{}-demo-", demo.bases.base_prefix)));
     assert_eq!(existing(prefix).await, Vec::<String>::new());
     let (queues, databases) = demo.leftovers().await;
     assert_eq!(queues, Vec::<String>::new());
