@@ -7,6 +7,7 @@
 //! broker's deliveries: no task outlives the session, and closing the session (or
 //! cancelling its token) drops them unacknowledged, so the broker delivers them again.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -30,6 +31,9 @@ pub struct BatchSource {
     queue: String,
     prefetch: u16,
     held: DelayQueue<Delivery>,
+    /// The tags of every delivery handed out and not acknowledged yet (held ones
+    /// included): what a `multiple` acknowledgement may cover.
+    unacked: BTreeSet<u64>,
     /// How long any reply of the broker on this channel is waited for.
     reply_timeout: Duration,
     pub channel: lapin::Channel,
@@ -69,6 +73,7 @@ impl BatchSource {
             queue: queue.to_string(),
             prefetch,
             held: DelayQueue::new(),
+            unacked: BTreeSet::new(),
             reply_timeout,
             channel,
         })
@@ -142,7 +147,41 @@ impl BatchSource {
                 _ = token.cancelled() => break,
             }
         }
+        // Held deliveries are in the set already; inserting them again changes nothing.
+        self.unacked.extend(batch.iter().map(|d| d.delivery_tag));
         Ok(Some(batch))
+    }
+
+    /// Acknowledges one delivery of this source (see [`Self::ack_all`]).
+    pub async fn ack(&mut self, delivery: &Delivery) -> Result<(), BrokerError> {
+        self.ack_all([delivery]).await
+    }
+
+    /// Acknowledges `deliveries` of this source in as few frames as is safe: the
+    /// lowest ones, as long as no other unacknowledged delivery of the channel (one
+    /// held, kept or still being decided) lies among them, in one `multiple`
+    /// acknowledgement; the rest one by one. Errors as [`ack`].
+    pub async fn ack_all<'a>(
+        &mut self,
+        deliveries: impl IntoIterator<Item = &'a Delivery>,
+    ) -> Result<(), BrokerError> {
+        let mut sorted: Vec<&Delivery> = deliveries.into_iter().collect();
+        sorted.sort_by_key(|d| d.delivery_tag);
+        let covered = covered_prefix(&self.unacked, sorted.iter().map(|d| d.delivery_tag));
+        let singles = if covered >= 2 {
+            ack_with(sorted[covered - 1], true).await?;
+            for d in &sorted[..covered] {
+                self.unacked.remove(&d.delivery_tag);
+            }
+            &sorted[covered..]
+        } else {
+            &sorted[..]
+        };
+        for d in singles {
+            ack_with(d, false).await?;
+            self.unacked.remove(&d.delivery_tag);
+        }
+        Ok(())
     }
 
     /// Messages ready in the consumed queue (a passive declare on this channel).
@@ -236,7 +275,9 @@ impl ConsumerSession {
 /// until the process was restarted).
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Acknowledges one delivery (every consumer acknowledges this way).
+/// Acknowledges one delivery taken without a [`BatchSource`] (a `basic.get`); a
+/// batch source's deliveries go through [`BatchSource::ack`], which knows what a
+/// `multiple` acknowledgement may cover.
 /// An acker lapin reports as unusable (its channel is gone) is a lost connection: the
 /// session ends and the broker hands the delivery out again, instead of lapse counting
 /// it as done and publishing or parking it a second time. An ack not handed to the
@@ -244,7 +285,14 @@ pub const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 /// the broker after all, nothing is delivered twice; if not, the delivery comes back
 /// and is decided again, which the guarded close makes harmless).
 pub async fn ack(delivery: &Delivery) -> Result<(), BrokerError> {
-    let acked = tokio::time::timeout(ACK_TIMEOUT, delivery.acker.ack(BasicAckOptions::default()))
+    ack_with(delivery, false).await
+}
+
+/// Acknowledges `delivery`, with every unacknowledged delivery of its channel
+/// below it when `multiple`.
+async fn ack_with(delivery: &Delivery, multiple: bool) -> Result<(), BrokerError> {
+    let options = BasicAckOptions { multiple };
+    let acked = tokio::time::timeout(ACK_TIMEOUT, delivery.acker.ack(options))
         .await
         .map_err(|_| BrokerError::AckTimeout { after: ACK_TIMEOUT })?
         .map_err(BrokerError::amqp("basic.ack"))?;
@@ -267,7 +315,7 @@ impl ConsumerSession {
         self.publishing
             .publish(parked_copy(parked_exchange, delivery, reason))
             .await?;
-        ack(delivery).await
+        self.source.ack(delivery).await
     }
 }
 
@@ -382,4 +430,43 @@ pub(crate) async fn consume<H: BatchHandler>(
     };
     session.close().await;
     result
+}
+
+/// How many of `tags` (ascending) a `multiple` acknowledgement of the last of them
+/// may cover: the longest run from the lowest unacknowledged tag on in which every
+/// unacknowledged tag is one of `tags`. Zero when the lowest unacknowledged delivery is
+/// not among them.
+fn covered_prefix(unacked: &BTreeSet<u64>, tags: impl Iterator<Item = u64>) -> usize {
+    unacked
+        .iter()
+        .zip(tags)
+        .take_while(|(held, tag)| **held == *tag)
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covered_prefix;
+    use std::collections::BTreeSet;
+
+    fn covered(unacked: &[u64], tags: &[u64]) -> usize {
+        let unacked: BTreeSet<u64> = unacked.iter().copied().collect();
+        covered_prefix(&unacked, tags.iter().copied())
+    }
+
+    #[test]
+    fn a_multiple_ack_covers_only_a_run_without_other_unacked_deliveries() {
+        // The whole batch and nothing else outstanding: all of it.
+        assert_eq!(covered(&[5, 6, 7], &[5, 6, 7]), 3);
+        // A held delivery below the batch: none of it.
+        assert_eq!(covered(&[2, 5, 6, 7], &[5, 6, 7]), 0);
+        // One in the middle kept back (held, failed publish): up to it.
+        assert_eq!(covered(&[5, 6, 7, 8], &[5, 6, 8]), 2);
+        // Held ones above the batch do not matter.
+        assert_eq!(covered(&[5, 6, 9], &[5, 6]), 2);
+        // A tag the source does not know stops the run (never over-acknowledge).
+        assert_eq!(covered(&[5, 7], &[5, 6, 7]), 1);
+        assert_eq!(covered(&[], &[1, 2]), 0);
+        assert_eq!(covered(&[1, 2], &[]), 0);
+    }
 }

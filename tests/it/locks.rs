@@ -8,7 +8,9 @@ use chrono::{DateTime, Utc};
 use lapse::observe::stats::Outcome;
 use lapse::orders::Line;
 
-use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};
+use crate::helpers::{
+    TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
+};
 
 fn one_line() -> Vec<Line> {
     vec![Line {
@@ -236,5 +238,87 @@ async fn an_application_writing_a_row_that_references_the_order_does_not_defer_i
     assert_never_early(&db).await;
     assert_eq!(times_closed(&db).await, 0, "closed once");
     worker.stop().await;
+    env.cleanup().await;
+}
+
+/// The deliveries around a held one are acknowledged together (a `multiple` ack);
+/// the held one must stay unacknowledged at the broker, or a worker stopped while the
+/// lock lasts would lose it (the sweeper is off here: only the message can close it).
+#[tokio::test]
+async fn a_held_delivery_among_acknowledged_ones_survives_a_worker_restart() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    // Created in one run, so their messages sit next to each other in the tier and
+    // reach the worker in the same batches; the locked one is in the middle.
+    let ids = create_orders(&mut db, &[Duration::from_secs(4); 41], &one_line()).await;
+    let locked = ids[20].0;
+    let holder = env.db().await;
+    hold_row_lock(&holder, locked).await;
+    let worker = env.start(&env.config()).await;
+    eventually(
+        Duration::from_secs(60),
+        "the 40 unlocked orders closed and the lock met",
+        || async {
+            let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            (closed == 40 && worker.stats.get(Outcome::Locked) >= 1).then_some(())
+        },
+    )
+    .await;
+    worker.stop().await;
+    release_row_lock(&holder).await;
+
+    let worker = env.start(&env.config()).await;
+    eventually(
+        Duration::from_secs(60),
+        "the locked order closed by its message after the restart",
+        || async {
+            let closed = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+            (closed == 41).then_some(())
+        },
+    )
+    .await;
+    assert_never_early(&db).await;
+    assert_eq!(times_closed(&db).await, 0, "an order closed twice");
+    worker.stop().await;
+    env.cleanup().await;
+}
+
+/// The same for the releaser: the release events released together are acknowledged
+/// together, the one whose order row an application holds is not.
+#[tokio::test]
+async fn a_held_stock_release_among_acknowledged_ones_survives_a_releaser_restart() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    let ids = create_orders(&mut db, &[Duration::from_millis(300); 41], &one_line()).await;
+    let mut config = env.config();
+    config.worker.releaser = false;
+    let closer = env.start(&config).await;
+    crate::release_repair::closed_with_releases_queued(&env, &db, 41, 41).await;
+    closer.stop().await;
+
+    let holder = env.db().await;
+    hold_row_lock(&holder, ids[20].0).await;
+    let releaser_only = crate::helpers::releaser_only(&config);
+    let releaser = env.start(&releaser_only).await;
+    wait_released(&db, 40).await;
+    eventually(Duration::from_secs(30), "the lock met", || async {
+        (releaser.stats.get(Outcome::Locked) >= 1).then_some(())
+    })
+    .await;
+    releaser.stop().await;
+    release_row_lock(&holder).await;
+
+    let releaser = env.start(&releaser_only).await;
+    wait_released(&db, 41).await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
+        )
+        .await,
+        0
+    );
+    assert_eq!(releaser.stats.get(Outcome::Parked), 0);
+    releaser.stop().await;
     env.cleanup().await;
 }

@@ -1,6 +1,7 @@
-//! Carrying out a batch's steps: acknowledge, hold, publish with confirms and then
-//! acknowledge, park what the broker confirmed but could not route, keep what could not
-//! be published; then write the hops that went out to their shard's timeline.
+//! Carrying out a batch's steps: hold, publish with confirms, park what the broker
+//! confirmed but could not route, keep what could not be published, then acknowledge
+//! everything done in as few frames as is safe; then write the hops that went out to
+//! their shard's timeline.
 
 use std::collections::BTreeSet;
 
@@ -8,12 +9,21 @@ use lapin::message::Delivery;
 
 use super::kept::Kept;
 use super::{BatchReport, Consumer, Publish, Step};
-use crate::amqp::batch::{BatchSource, ack};
+use crate::amqp::batch::BatchSource;
 use crate::amqp::broker::BrokerError;
 use crate::amqp::publishing::{Outgoing, PublishingConnection, parked_copy};
 use crate::observe::stats::Outcome;
 use crate::runtime::backoff::Backoff;
 use crate::timeline::Hop;
+
+/// A delivery whose work is done (closed, re-delayed, parked), to acknowledge, with
+/// what to count once it is.
+struct Done {
+    delivery: Delivery,
+    outcome: Outcome,
+    /// The `parked` counter's reason when it was parked.
+    parked: Option<&'static str>,
+}
 
 /// A batch's steps, when its clock was read, and the shards whose database was away.
 pub(super) struct Planned {
@@ -23,8 +33,8 @@ pub(super) struct Planned {
 }
 
 impl Consumer {
-    /// Carries out the steps of one batch: acknowledges, holds, publishes (then
-    /// acknowledges what was confirmed), keeps what could not be published.
+    /// Carries out the steps of one batch: holds, publishes, keeps what could not be
+    /// published, acknowledges what is done (decided, or published and confirmed).
     pub(super) async fn execute(
         &self,
         planned: Planned,
@@ -44,13 +54,14 @@ impl Consumer {
             ..Default::default()
         };
         let mut publishes = Vec::new();
+        let mut done = Vec::new();
         for (delivery, step) in steps {
             match step {
-                Step::Ack(outcome) => {
-                    ack(&delivery).await?;
-                    self.stats.record(outcome, 1);
-                    report.acked += 1;
-                }
+                Step::Ack(outcome) => done.push(Done {
+                    delivery,
+                    outcome,
+                    parked: None,
+                }),
                 Step::Hold { after, outcome } => {
                     self.stats.record(outcome, 1);
                     report.held += 1;
@@ -70,9 +81,19 @@ impl Consumer {
             }
         }
         let attempted = !publishes.is_empty();
+        // What is decided is acknowledged before the publishes, which a broker alarm
+        // can hold up for `broker.confirm_timeout`.
+        self.acknowledge(source, done, &mut report).await?;
+        let mut confirmed = Vec::new();
         let hops = self
-            .publish_then_ack(publishes, publishing, &mut kept, &mut report, away)
-            .await?;
+            .publish(publishes, publishing, &mut kept, &mut confirmed)
+            .await;
+        // The confirmed copies are in their tiers whatever happens to the acks: their
+        // hops are recorded even when an ack fails and the session ends.
+        if let Err(e) = self.acknowledge(source, confirmed, &mut report).await {
+            self.record_hops(&hops, away).await;
+            return Err(e);
+        }
         // Keep the deliveries (no nack: that would spend their delivery budget) and
         // decide them again later: by then some may be due, or the tier may have room.
         if kept.failed() {
@@ -84,18 +105,36 @@ impl Consumer {
         Ok(report)
     }
 
-    /// Publishes with confirms and acknowledges each delivery whose publish was
-    /// confirmed; parks the ones the broker confirmed but could not route; keeps the
-    /// rest. Returns the hops that went out.
-    // Over 60 lines on purpose: each publish outcome (confirmed, confirmed but unroutable, failed) with its counters; the unroutable ones need a second publish.
-    async fn publish_then_ack(
+    /// Acknowledges `done` (in as few frames as is safe), then counts it.
+    async fn acknowledge(
+        &self,
+        source: &mut BatchSource,
+        done: Vec<Done>,
+        report: &mut BatchReport,
+    ) -> Result<(), BrokerError> {
+        source.ack_all(done.iter().map(|d| &d.delivery)).await?;
+        for d in &done {
+            self.stats.record(d.outcome, 1);
+            if let Some(reason) = d.parked {
+                self.stats.parked(reason);
+            }
+        }
+        report.acked += done.len();
+        Ok(())
+    }
+
+    /// Publishes with confirms; adds each delivery whose publish was confirmed to
+    /// `done`; parks the ones the broker confirmed but could not route (added to `done`
+    /// once the parked copy is confirmed); keeps the rest. Returns the hops that went
+    /// out.
+    // Over 60 lines on purpose: each publish outcome (confirmed, confirmed but unroutable, failed); the unroutable ones need a second publish.
+    async fn publish(
         &self,
         publishes: Vec<(Delivery, Publish)>,
         publishing: &mut PublishingConnection,
         kept: &mut Kept,
-        report: &mut BatchReport,
-        away: &BTreeSet<u16>,
-    ) -> Result<Vec<Hop>, BrokerError> {
+        done: &mut Vec<Done>,
+    ) -> Vec<Hop> {
         let messages = publishes.iter().map(|(_, p)| p.message.clone()).collect();
         let results = publishing.publish_all(messages).await;
         let mut hops = Vec::new();
@@ -103,22 +142,18 @@ impl Consumer {
         for ((delivery, p), result) in publishes.into_iter().zip(results) {
             match result {
                 Ok(()) => {
-                    // The confirmed copy is in its tier whatever happens to this ack:
-                    // its hop is recorded even when the ack fails and the session ends.
                     if let Some(hop) = p.hop {
                         self.stats.hop(Some(hop.tier.as_str()));
                         hops.push(hop);
                     }
-                    if let Err(e) = ack(&delivery).await {
-                        self.record_hops(&hops, away).await;
-                        return Err(e);
-                    }
-                    self.stats.record(p.outcome, 1);
                     if let Some(kind) = p.park {
                         tracing::warn!(reason = kind, "worker: parked a message");
-                        self.stats.parked(kind);
                     }
-                    report.acked += 1;
+                    done.push(Done {
+                        delivery,
+                        outcome: p.outcome,
+                        parked: p.park,
+                    });
                 }
                 // Confirmed but routed nowhere: acknowledging would lose it.
                 Err(e @ BrokerError::Unroutable { .. }) => {
@@ -136,25 +171,24 @@ impl Consumer {
             }
         }
         if unroutable.is_empty() {
-            return Ok(hops);
+            return hops;
         }
         let (copies, deliveries): (Vec<Outgoing>, Vec<Delivery>) = unroutable.into_iter().unzip();
         let results = publishing.publish_all(copies).await;
         for (delivery, result) in deliveries.into_iter().zip(results) {
             match result {
-                Ok(()) => {
-                    ack(&delivery).await?;
-                    self.stats.record(Outcome::Unroutable, 1);
-                    self.stats.parked("unroutable");
-                    report.acked += 1;
-                }
+                Ok(()) => done.push(Done {
+                    delivery,
+                    outcome: Outcome::Unroutable,
+                    parked: Some("unroutable"),
+                }),
                 Err(e) => {
                     kept.because(e);
                     kept.keep(delivery, None);
                 }
             }
         }
-        Ok(hops)
+        hops
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.

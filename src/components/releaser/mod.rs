@@ -175,7 +175,9 @@ impl Releaser {
         let mut backoff = Backoff::new();
         let mut systemic_rounds = 0;
         loop {
-            let round = self.round(work, token, busy, &mut backoff).await?;
+            let round = self
+                .round(work, &mut session.source, token, busy, &mut backoff)
+                .await?;
             if token.is_cancelled() {
                 return Ok(());
             }

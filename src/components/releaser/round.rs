@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::{Pending, Releaser};
-use crate::amqp::batch::{ConsumerSession, ack};
+use crate::amqp::batch::{BatchSource, ConsumerSession};
 use crate::amqp::broker::BrokerError;
 use crate::observe::stats::Outcome;
 use crate::runtime::backoff::Backoff;
@@ -59,6 +59,7 @@ impl Releaser {
     pub(super) async fn round(
         &self,
         mut work: Vec<Vec<Pending>>,
+        source: &mut BatchSource,
         token: &CancellationToken,
         busy: &Busy,
         backoff: &mut Backoff,
@@ -85,13 +86,11 @@ impl Releaser {
                         Outcome::Released,
                         u64::try_from(outcome.applied).unwrap_or(0),
                     );
-                    for p in chunk {
-                        if outcome.held.contains(&p.order_id) {
-                            round.held.push(p);
-                        } else {
-                            ack(&p.delivery).await?;
-                        }
-                    }
+                    let (held, released): (Vec<Pending>, Vec<Pending>) = chunk
+                        .into_iter()
+                        .partition(|p| outcome.held.contains(&p.order_id));
+                    source.ack_all(released.iter().map(|p| &p.delivery)).await?;
+                    round.held.extend(held);
                     if !outcome.held.is_empty() {
                         tracing::debug!(orders = ?outcome.held,
                             "releaser: order rows locked by another transaction; holding them back");
