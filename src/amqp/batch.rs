@@ -157,16 +157,28 @@ impl BatchSource {
         self.ack_all([delivery]).await
     }
 
+    /// True while `delivery` (handed out by this source) is not acknowledged.
+    pub fn is_unacked(&self, delivery: &Delivery) -> bool {
+        self.unacked.contains(&delivery.delivery_tag)
+    }
+
     /// Acknowledges `deliveries` of this source in as few frames as is safe: the
-    /// lowest ones, as long as no other unacknowledged delivery of the channel (one
-    /// held, kept or still being decided) lies among them, in one `multiple`
-    /// acknowledgement; the rest one by one. Errors as [`ack`].
+    /// lowest ones in one `multiple` acknowledgement, as long as no other
+    /// unacknowledged delivery of the channel (one held, kept or still being decided)
+    /// lies below or among them; the rest one by one. Errors as [`ack`]; what was
+    /// acknowledged before an error is no longer [`Self::is_unacked`].
     pub async fn ack_all<'a>(
         &mut self,
         deliveries: impl IntoIterator<Item = &'a Delivery>,
     ) -> Result<(), BrokerError> {
         let mut sorted: Vec<&Delivery> = deliveries.into_iter().collect();
         sorted.sort_by_key(|d| d.delivery_tag);
+        debug_assert!(
+            sorted
+                .iter()
+                .all(|d| self.unacked.contains(&d.delivery_tag)),
+            "acknowledging a delivery this source did not hand out, or one already acknowledged"
+        );
         let covered = covered_prefix(&self.unacked, sorted.iter().map(|d| d.delivery_tag));
         let singles = if covered >= 2 {
             ack_with(sorted[covered - 1], true).await?;

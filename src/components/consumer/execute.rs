@@ -1,7 +1,8 @@
-//! Carrying out a batch's steps: hold, publish with confirms, park what the broker
-//! confirmed but could not route, keep what could not be published, then acknowledge
-//! everything done in as few frames as is safe; then write the hops that went out to
-//! their shard's timeline.
+//! Carrying out a batch's steps: hold; acknowledge what is decided; publish with
+//! confirms and acknowledge what the broker confirmed; park what it confirmed but
+//! could not route, and acknowledge that; keep what could not be published; then write
+//! the hops that went out to their shard's timeline. Acknowledgements go out in as
+//! few frames as is safe ([`BatchSource::ack_all`]).
 
 use std::collections::BTreeSet;
 
@@ -23,6 +24,16 @@ struct Done {
     outcome: Outcome,
     /// The `parked` counter's reason when it was parked.
     parked: Option<&'static str>,
+}
+
+/// What a batch's publishes came to.
+#[derive(Default)]
+struct Published {
+    hops: Vec<Hop>,
+    /// Confirmed: to acknowledge.
+    confirmed: Vec<Done>,
+    /// Confirmed but routed nowhere: the parked copy to publish, with its delivery.
+    unroutable: Vec<(Outgoing, Delivery)>,
 }
 
 /// A batch's steps, when its clock was read, and the shards whose database was away.
@@ -84,14 +95,22 @@ impl Consumer {
         // What is decided is acknowledged before the publishes, which a broker alarm
         // can hold up for `broker.confirm_timeout`.
         self.acknowledge(source, done, &mut report).await?;
-        let mut confirmed = Vec::new();
-        let hops = self
-            .publish(publishes, publishing, &mut kept, &mut confirmed)
-            .await;
+        let published = self.publish(publishes, publishing, &mut kept).await;
         // The confirmed copies are in their tiers whatever happens to the acks: their
-        // hops are recorded even when an ack fails and the session ends.
-        if let Err(e) = self.acknowledge(source, confirmed, &mut report).await {
-            self.record_hops(&hops, away).await;
+        // hops are recorded even when an ack fails and the session ends. What was
+        // confirmed is acknowledged before the unroutable ones are parked (a second
+        // publish, which can wait as long again).
+        let acked = async {
+            self.acknowledge(source, published.confirmed, &mut report)
+                .await?;
+            let parked = self
+                .park_unroutable(published.unroutable, publishing, &mut kept)
+                .await;
+            self.acknowledge(source, parked, &mut report).await
+        }
+        .await;
+        if let Err(e) = acked {
+            self.record_hops(&published.hops, away).await;
             return Err(e);
         }
         // Keep the deliveries (no nack: that would spend their delivery budget) and
@@ -101,55 +120,52 @@ impl Consumer {
         } else if attempted {
             retry.reset();
         }
-        self.record_hops(&hops, away).await;
+        self.record_hops(&published.hops, away).await;
         Ok(report)
     }
 
-    /// Acknowledges `done` (in as few frames as is safe), then counts it.
+    /// Acknowledges `done` (in as few frames as is safe) and counts what was
+    /// acknowledged, also when an acknowledgement fails part-way.
     async fn acknowledge(
         &self,
         source: &mut BatchSource,
         done: Vec<Done>,
         report: &mut BatchReport,
     ) -> Result<(), BrokerError> {
-        source.ack_all(done.iter().map(|d| &d.delivery)).await?;
-        for d in &done {
+        let result = source.ack_all(done.iter().map(|d| &d.delivery)).await;
+        for d in done.iter().filter(|d| !source.is_unacked(&d.delivery)) {
             self.stats.record(d.outcome, 1);
             if let Some(reason) = d.parked {
                 self.stats.parked(reason);
             }
+            report.acked += 1;
         }
-        report.acked += done.len();
-        Ok(())
+        result
     }
 
-    /// Publishes with confirms; adds each delivery whose publish was confirmed to
-    /// `done`; parks the ones the broker confirmed but could not route (added to `done`
-    /// once the parked copy is confirmed); keeps the rest. Returns the hops that went
-    /// out.
-    // Over 60 lines on purpose: each publish outcome (confirmed, confirmed but unroutable, failed); the unroutable ones need a second publish.
+    /// Publishes with confirms. Returns the deliveries whose publish was confirmed
+    /// (to acknowledge), the ones the broker confirmed but could not route (to park),
+    /// and the hops that went out; keeps the rest.
     async fn publish(
         &self,
         publishes: Vec<(Delivery, Publish)>,
         publishing: &mut PublishingConnection,
         kept: &mut Kept,
-        done: &mut Vec<Done>,
-    ) -> Vec<Hop> {
+    ) -> Published {
         let messages = publishes.iter().map(|(_, p)| p.message.clone()).collect();
         let results = publishing.publish_all(messages).await;
-        let mut hops = Vec::new();
-        let mut unroutable = Vec::new();
+        let mut out = Published::default();
         for ((delivery, p), result) in publishes.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     if let Some(hop) = p.hop {
                         self.stats.hop(Some(hop.tier.as_str()));
-                        hops.push(hop);
+                        out.hops.push(hop);
                     }
                     if let Some(kind) = p.park {
                         tracing::warn!(reason = kind, "worker: parked a message");
                     }
-                    done.push(Done {
+                    out.confirmed.push(Done {
                         delivery,
                         outcome: p.outcome,
                         parked: p.park,
@@ -159,7 +175,7 @@ impl Consumer {
                 Err(e @ BrokerError::Unroutable { .. }) => {
                     tracing::warn!(error = %e, "worker: publish unroutable; parking the delivery");
                     let copy = parked_copy(self.names.parked(), &delivery, &e.to_string());
-                    unroutable.push((copy, delivery));
+                    out.unroutable.push((copy, delivery));
                 }
                 Err(e) => {
                     if matches!(e, BrokerError::Nacked { .. }) {
@@ -170,14 +186,26 @@ impl Consumer {
                 }
             }
         }
+        out
+    }
+
+    /// Parks the deliveries whose publish was routed nowhere; returns the ones whose
+    /// parked copy was confirmed (to acknowledge) and keeps the rest.
+    async fn park_unroutable(
+        &self,
+        unroutable: Vec<(Outgoing, Delivery)>,
+        publishing: &mut PublishingConnection,
+        kept: &mut Kept,
+    ) -> Vec<Done> {
         if unroutable.is_empty() {
-            return hops;
+            return Vec::new();
         }
         let (copies, deliveries): (Vec<Outgoing>, Vec<Delivery>) = unroutable.into_iter().unzip();
         let results = publishing.publish_all(copies).await;
+        let mut parked = Vec::new();
         for (delivery, result) in deliveries.into_iter().zip(results) {
             match result {
-                Ok(()) => done.push(Done {
+                Ok(()) => parked.push(Done {
                     delivery,
                     outcome: Outcome::Unroutable,
                     parked: Some("unroutable"),
@@ -188,7 +216,7 @@ impl Consumer {
                 }
             }
         }
-        hops
+        parked
     }
 
     /// Best effort: the timeline is for people, the decision never depends on it.
