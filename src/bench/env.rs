@@ -137,7 +137,8 @@ impl BenchEnv {
             .env("LAPSE_WORKER__MIGRATE_ON_START", "false")
             .env(
                 "LAPSE_LOG",
-                std::env::var("LAPSE_BENCH_WORKER_LOG").unwrap_or_else(|_| "error".into()),
+                std::env::var(crate::config::BENCH_WORKER_LOG_VAR)
+                    .unwrap_or_else(|_| "error".into()),
             )
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -46,9 +46,11 @@ impl Config {
 pub const LOG_VAR: &str = "LAPSE_LOG";
 /// The log format variable: `text` or `json`.
 pub const LOG_FORMAT_VAR: &str = "LAPSE_LOG_FORMAT";
+/// The log filter of the workers `lapse bench` starts (default `error`).
+pub const BENCH_WORKER_LOG_VAR: &str = "LAPSE_BENCH_WORKER_LOG";
 /// The `LAPSE_` variables that belong to logging, not to the configuration tree; the
-/// telemetry setup reads them.
-pub const LOG_ENV_VARS: [&str; 2] = [LOG_VAR, LOG_FORMAT_VAR];
+/// telemetry setup (and `lapse bench`, for its workers) reads them.
+pub const LOG_ENV_VARS: [&str; 3] = [LOG_VAR, LOG_FORMAT_VAR, BENCH_WORKER_LOG_VAR];
 
 /// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
 /// ones ([`LOG_ENV_VARS`]).

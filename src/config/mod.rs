@@ -1,6 +1,6 @@
 //! One typed configuration tree: named defaults, then the TOML file, then
 //! `LAPSE_<SECTION>__<KEY>` environment overrides, then [`Config::validate`].
-//! `LAPSE_LOG` and `LAPSE_LOG_FORMAT` are not configuration keys ([`LOG_ENV_VARS`]; read
+//! `LAPSE_LOG`, `LAPSE_LOG_FORMAT` and `LAPSE_BENCH_WORKER_LOG` are not configuration keys ([`LOG_ENV_VARS`]; read
 //! by [`crate::observe::telemetry`]).
 //!
 //! Invariants: every error names the key it is about; credentials (the broker and
@@ -37,7 +37,7 @@ impl ConfigError {
 
 pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
-pub use load::{LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
+pub use load::{BENCH_WORKER_LOG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
 pub use shards::{MAX_SHARDS, Shard};
 

@@ -37,6 +37,7 @@ fn the_logging_variables_are_not_configuration_keys() {
         with_tier_file(jail);
         jail.set_env("LAPSE_LOG", "debug");
         jail.set_env("LAPSE_LOG_FORMAT", "json");
+        jail.set_env("LAPSE_BENCH_WORKER_LOG", "warn");
         assert!(load().is_ok());
         // Any other top-level LAPSE_ variable is still an unknown key.
         jail.set_env("LAPSE_LOGS", "debug");
