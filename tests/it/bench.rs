@@ -126,11 +126,20 @@ async fn a_small_steady_run_closes_everything_never_early_and_cleans_up() {
         .collect();
     assert_eq!(names, ["raw", "steady"]);
     for s in scenarios {
-        assert_eq!(s["early"], 0, "{s}");
         assert_eq!(s["lost"], 0, "{s}");
+        // The broker alone may deliver early when its timers run fast (the Erlang VM
+        // slewing its clock after a step of the system's: seen here, 0.8 % short for
+        // a quarter of an hour); that is a warning, not an early close. lapse's own
+        // closes are never early.
+        let own = s["scenario"] != "raw";
+        if own {
+            assert_eq!(s["early"], 0, "{s}");
+        }
         for key in ["p50", "p90", "p99", "p999", "max"] {
             assert!(
-                s["lateness_ms"][key].as_f64().is_some_and(|v| v >= 0.0),
+                s["lateness_ms"][key]
+                    .as_f64()
+                    .is_some_and(|v| v.is_finite() && (v >= 0.0 || !own)),
                 "{s}"
             );
         }
@@ -146,7 +155,13 @@ async fn a_small_steady_run_closes_everything_never_early_and_cleans_up() {
         .map(|v| v.as_u64().unwrap())
         .sum();
     assert_eq!(hops, 80);
-    assert!(steady["vs_raw"]["p99"].as_f64().is_some(), "{steady}");
+    // A ratio to the broker's lateness exactly when that is positive.
+    let raw_p99 = scenarios[0]["lateness_ms"]["p99"].as_f64().unwrap();
+    assert_eq!(
+        steady["vs_raw"]["p99"].as_f64().is_some(),
+        raw_p99 > 0.0,
+        "{steady}"
+    );
     for file in [
         "raw-lateness.svg",
         "steady-lateness.svg",
