@@ -450,6 +450,15 @@ pub async fn wait_released(db: &tokio_postgres::Client, n: i64) {
     .await;
 }
 
+/// Closed orders whose stock release has not stamped them (`released_at` unset).
+pub async fn unstamped_closes(db: &tokio_postgres::Client) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL",
+    )
+    .await
+}
+
 /// The promise: no order was closed before its deadline.
 pub async fn assert_never_early(db: &tokio_postgres::Client) {
     let early = count(

@@ -171,11 +171,7 @@ async fn the_releaser_releases_a_legacy_closed_order_and_parks_nothing() {
         0
     );
     assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
-        )
-        .await,
+        crate::helpers::unstamped_closes(&db).await,
         1,
         "only the legacy row is left unstamped"
     );

@@ -310,14 +310,7 @@ async fn a_held_stock_release_among_acknowledged_ones_survives_a_releaser_restar
 
     let releaser = env.start(&releaser_only).await;
     wait_released(&db, 41).await;
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
-        )
-        .await,
-        0
-    );
+    assert_eq!(crate::helpers::unstamped_closes(&db).await, 0);
     assert_eq!(releaser.stats.get(Outcome::Parked), 0);
     releaser.stop().await;
     env.cleanup().await;

@@ -95,11 +95,7 @@ async fn a_database_outage_during_stock_releases_parks_nothing_and_releases_each
         0
     );
     assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
-        )
-        .await,
+        crate::helpers::unstamped_closes(&db).await,
         0,
         "every release stamped its order"
     );
@@ -190,11 +186,7 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
     assert!(again.leader);
     assert_eq!(again.releases_repaired, 0);
     assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
-        )
-        .await,
+        crate::helpers::unstamped_closes(&db).await,
         0,
         "released orders stamped by the releaser, line-less ones by the reconciler"
     );
@@ -300,14 +292,7 @@ async fn an_application_holding_a_closed_orders_row_does_not_block_checkout_of_i
         1,
         "only the new order's reservation is left"
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL"
-        )
-        .await,
-        0
-    );
+    assert_eq!(crate::helpers::unstamped_closes(&db).await, 0);
     assert_eq!(releaser.stats.get(Outcome::Parked), 0);
     releaser.stop().await;
     env.cleanup().await;

@@ -56,11 +56,7 @@ impl Drop for Databases {
 /// Every order of the shard closed and released.
 async fn all_closed(db: &tokio_postgres::Client) -> Option<()> {
     let open = count(db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await;
-    let unreleased = count(
-        db,
-        "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NULL",
-    )
-    .await;
+    let unreleased = crate::helpers::unstamped_closes(db).await;
     (open == 0 && unreleased == 0).then_some(())
 }
 
