@@ -104,7 +104,7 @@ async fn publish_to_tier(publisher: &Publisher, env: &TestEnv, tier: &str, body:
 }
 
 #[tokio::test]
-async fn tiers_never_deliver_early_and_a_short_tier_overtakes_a_long_one() {
+async fn tiers_deliver_after_their_ttl_and_a_short_tier_overtakes_a_long_one() {
     let env = TestEnv::new(&["300ms", "3s"]).await;
     assert!(env.lapse(&["topology", "apply"]).status.success());
     let publisher = Publisher::new(&env.conn).await.unwrap();
@@ -134,10 +134,15 @@ async fn tiers_never_deliver_early_and_a_short_tier_overtakes_a_long_one() {
         } else {
             short_sent.elapsed()
         };
-        let ttl = if body == "long" { 3_000 } else { 300 };
+        let ttl = Duration::from_millis(if body == "long" { 3_000 } else { 300 });
+        // The broker times a TTL with the Erlang VM's clock, which runs up to 1 %
+        // fast while it catches up with a step of the system clock (seen here for
+        // 20 minutes after the machine was paused; docs/benchmarks.md): a tier may
+        // deliver that much early. lapse does not rely on it, it checks deadlines
+        // against the database clock.
         assert!(
-            waited >= Duration::from_millis(ttl),
-            "{body} arrived early after {waited:?}"
+            waited >= ttl.mul_f64(0.99),
+            "{body} arrived more than 1 % early after {waited:?}"
         );
         delivery.ack(BasicAckOptions::default()).await.unwrap();
         order.push(body);
