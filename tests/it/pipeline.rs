@@ -286,3 +286,61 @@ async fn bad_messages_are_parked_with_a_reason_and_the_worker_carries_on() {
     worker.stop().await;
     env.cleanup().await;
 }
+
+/// A broker whose timers run fast (its Erlang VM catching up with a step of the system
+/// clock runs TTLs up to 1 % short) delivers timeouts before their deadline. Here the
+/// extreme: each order's timeout goes straight to the due queue seconds early. The
+/// worker judges by the database clock: it holds or re-delays them, and every order
+/// closes once, on time.
+#[tokio::test]
+async fn timeouts_delivered_before_their_deadline_are_held_or_re_delayed_never_closed_early() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    let mut deadlines = vec![Duration::from_millis(1_500); 10];
+    deadlines.extend([Duration::from_millis(3_200); 10]);
+    let ids = create_orders(&mut db, &deadlines, &lines()).await;
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    for id in &ids {
+        let view = orders::show(&db, *id).await.unwrap().unwrap();
+        let message = TimeoutMessage::new(id.0, view.expire_at, 1);
+        publisher
+            .publish(
+                &env.names().due_exchange(),
+                DUE_ROUTING_KEY,
+                &message.encode(),
+                message.properties(),
+            )
+            .await
+            .unwrap();
+    }
+    // Only the early copies: no relay publishing the orders' own intents.
+    let mut config = env.config();
+    config.worker.relay = false;
+    let worker = env.start(&config).await;
+    eventually(Duration::from_secs(60), "every order closed", || {
+        all_settled(&db)
+    })
+    .await;
+    assert_never_early(&db).await;
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        20
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM order_events WHERE event = 'closed'"
+        )
+        .await,
+        20,
+        "each closed once"
+    );
+    let waited = worker.stats.get(Outcome::Redelayed) + worker.stats.get(Outcome::Held);
+    assert!(
+        waited >= 20,
+        "each early delivery was held or re-delayed first ({waited})"
+    );
+    assert_eq!(worker.stats.get(Outcome::Parked), 0);
+    worker.stop().await;
+    env.cleanup().await;
+}
