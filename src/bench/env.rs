@@ -140,6 +140,9 @@ impl BenchEnv {
                 std::env::var(crate::config::BENCH_WORKER_LOG_VAR)
                     .unwrap_or_else(|_| "error".into()),
             )
+            // Read here, not by the worker: a `--worker-exe` older than the variable
+            // would take it for an unknown configuration key.
+            .env_remove(crate::config::BENCH_WORKER_LOG_VAR)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .kill_on_drop(true);

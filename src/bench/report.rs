@@ -85,7 +85,8 @@ pub struct ScenarioReport {
     pub parameters: BTreeMap<String, String>,
     /// Orders (or messages) created.
     pub orders: u64,
-    /// Closed before their deadline (must be 0).
+    /// Closed before their deadline (must be 0); for `raw`, messages the broker
+    /// delivered more than 1 ms before their TTL (a warning).
     pub early: u64,
     /// Not closed (or not released) within the wait limit (must be 0).
     pub lost: u64,
@@ -168,7 +169,8 @@ impl Report {
     }
 
     /// `raw`'s messages that the broker alone delivered more than 1 ms before their
-    /// TTL ran out, with their median lateness (negative), when there are any.
+    /// TTL ran out, how many paced messages it timed, and their median lateness, when
+    /// there are any.
     pub fn broker_early(&self) -> Option<(u64, usize, f64)> {
         self.scenarios
             .iter()

@@ -239,7 +239,10 @@ fn output(report: &bench::report::Report, args: &BenchArgs) -> anyhow::Result<Ex
     if report.correct() {
         Ok(ExitStatus::Ok)
     } else {
-        eprintln!("error: an order closed early or was not closed and released in time");
+        eprintln!(
+            "error: an order closed early or was not closed and released in time, or the \
+             broker alone lost a raw message"
+        );
         Ok(ExitStatus::Failed)
     }
 }
