@@ -96,6 +96,7 @@ async fn declare(env: &mut BenchEnv, burst: u64) -> anyhow::Result<(Names, Tier,
         tiers: TierSet::new(vec![paced_tier, burst_tier]),
         delivery_limit: 10,
         max_length: None,
+        source: crate::tier_file::TierSource::Inline,
     };
     env.declare(Topology::new(&names, &file)).await?;
     Ok((names, paced_tier, burst_tier))

@@ -192,8 +192,6 @@ mod tests {
     #[test]
     fn a_missing_ca_file_is_refused_naming_the_key_and_the_file() {
         figment::Jail::expect_with(|jail| {
-            jail.create_dir("topology")?;
-            jail.create_file("topology/default.toml", "tiers = [\"1s\"]")?;
             jail.set_env("LAPSE_BROKER__URL", "amqps://u:hunter2@h/%2f");
             jail.set_env("LAPSE_BROKER__TLS__CA_FILE", "/nonexistent/ca.pem");
             let err = super::Cli::parse_from(["lapse", "status"])

@@ -115,8 +115,10 @@ pub struct DatabaseConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TopologyConfig {
-    /// The tier file, relative to the working directory.
-    pub file: PathBuf,
+    /// The tier file, relative to the working directory. Unset: the default tiers
+    /// built into the binary (the repository's `topology/default.toml`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<PathBuf>,
     /// `x-quorum-initial-group-size` of the queues `topology apply` creates: how many
     /// nodes hold a replica. Unset: every node of the cluster, at most 3 (the nodes
     /// are counted through `broker.management_url`, else the addresses in `broker.url`).
@@ -248,7 +250,7 @@ impl Default for Config {
                 lock_timeout: Duration::from_secs(5),
             },
             topology: TopologyConfig {
-                file: PathBuf::from("topology/default.toml"),
+                file: None,
                 quorum_group_size: None,
             },
             worker: WorkerConfig {
@@ -342,9 +344,13 @@ impl Config {
         Ok(())
     }
 
-    /// Loads and validates the tier file named by `topology.file`.
+    /// Loads and validates the tier file named by `topology.file`, or the built-in
+    /// default tiers when it is not set.
     pub fn tier_file(&self) -> Result<TierFile, ConfigError> {
-        TierFile::load(&self.topology.file).map_err(|e| {
+        let Some(path) = &self.topology.file else {
+            return Ok(TierFile::built_in());
+        };
+        TierFile::load(path).map_err(|e| {
             let key = if e.key == "topology.file" {
                 e.key
             } else {

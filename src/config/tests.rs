@@ -13,16 +13,9 @@ fn load() -> Result<Config, ConfigError> {
     Config::load(Path::new(DEFAULT_CONFIG_FILE), false)
 }
 
-fn with_tier_file(jail: &mut Jail) {
-    jail.create_dir("topology").unwrap();
-    jail.create_file("topology/default.toml", "tiers = [\"1s\", \"5s\"]")
-        .unwrap();
-}
-
 #[test]
 fn defaults_without_a_file() {
-    Jail::expect_with(|jail| {
-        with_tier_file(jail);
+    Jail::expect_with(|_jail| {
         let config = load().unwrap();
         assert_eq!(config.broker.prefix, "lapse");
         assert_eq!(config.relay.tier_tolerance, Duration::from_millis(50));
@@ -32,9 +25,38 @@ fn defaults_without_a_file() {
 }
 
 #[test]
+fn no_tier_file_configured_means_the_built_in_tiers() {
+    Jail::expect_with(|_jail| {
+        // The jail's directory has no topology/ folder.
+        let tiers = load().unwrap().tier_file().unwrap();
+        assert_eq!(tiers.source, crate::tier_file::TierSource::BuiltIn);
+        assert_eq!(tiers, crate::tier_file::TierFile::built_in());
+        Ok(())
+    });
+}
+
+#[test]
+fn a_configured_tier_file_that_is_missing_names_the_key_and_the_path() {
+    Jail::expect_with(|jail| {
+        jail.create_file("lapse.toml", "[topology]\nfile = \"tiers/shop.toml\"")?;
+        let e = load().unwrap_err();
+        assert_eq!(e.key, "topology.file");
+        assert!(e.problem.contains("tiers/shop.toml"), "{e}");
+        assert!(e.problem.contains("working directory"), "{e}");
+        jail.create_dir("tiers")?;
+        jail.create_file("tiers/shop.toml", "tiers = [\"2s\"]")?;
+        let tiers = load().unwrap().tier_file().unwrap();
+        assert_eq!(
+            tiers.tiers.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            ["2s"]
+        );
+        Ok(())
+    });
+}
+
+#[test]
 fn the_logging_variables_are_not_configuration_keys() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         jail.set_env("LAPSE_LOG", "debug");
         jail.set_env("LAPSE_LOG_FORMAT", "json");
         jail.set_env("LAPSE_BENCH_WORKER_LOG", "warn");
@@ -49,7 +71,6 @@ fn the_logging_variables_are_not_configuration_keys() {
 #[test]
 fn env_overrides_file() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         jail.create_file(
             "lapse.toml",
             "[broker]\nprefix = \"from-file\"\n[worker]\nbatch_window = \"7ms\"",
@@ -70,7 +91,6 @@ fn env_overrides_file() {
 #[test]
 fn errors_name_the_key_and_hide_secrets() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         let cases = [
             ("[broker]\ncolour = 1", "broker.colour"),
             (
@@ -106,7 +126,6 @@ fn debug_hides_credentials() {
 #[test]
 fn the_deadline_horizon_defaults_to_366_days_and_is_bounded() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         assert_eq!(
             load().unwrap().orders.deadline_horizon,
             Duration::from_secs(366 * 86_400)
@@ -130,7 +149,6 @@ fn the_deadline_horizon_defaults_to_366_days_and_is_bounded() {
 #[test]
 fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         let cases = [
             ("[sweeper]\ninterval = \"0s\"", "sweeper.interval"),
             ("[relay]\npoll_interval = \"0s\"", "relay.poll_interval"),
@@ -203,7 +221,6 @@ fn the_heartbeat_goes_into_the_workers_broker_url_unless_the_url_has_one() {
 #[test]
 fn a_drain_timeout_that_would_abandon_every_shutdown_is_refused() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         for text in [
             "[worker]\ndrain_timeout = \"0s\"",
             "[worker]\ndrain_timeout = \"10ms\"",
@@ -223,7 +240,6 @@ fn a_drain_timeout_that_would_abandon_every_shutdown_is_refused() {
 #[test]
 fn a_moved_key_still_works_with_a_deprecation_warning() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         let user = |jail: &mut Jail, text: &str| -> figment::Result<Figment> {
             jail.create_file("lapse.toml", text)?;
             Ok(Figment::new()
@@ -275,7 +291,6 @@ fn a_moved_key_still_works_with_a_deprecation_warning() {
 #[test]
 fn shards_list_every_database_and_name_components_per_shard() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         let config = load().unwrap();
         assert!(!config.database.sharded());
         let single = config.database.shard_list();
@@ -303,7 +318,6 @@ fn shards_list_every_database_and_name_components_per_shard() {
 #[test]
 fn shards_from_the_environment_are_a_bracketed_list() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         jail.set_env(
             "LAPSE_DATABASE__SHARDS",
             "[\"postgres://u:pw@h/a\", \"postgres://u:pw@h/b\"]",
@@ -329,7 +343,6 @@ fn shards_from_the_environment_are_a_bracketed_list() {
 #[test]
 fn bad_shard_lists_name_the_key_and_hide_the_urls() {
     Jail::expect_with(|jail| {
-        with_tier_file(jail);
         let many: Vec<String> = (0..=MAX_SHARDS)
             .map(|i| format!("\"postgres://u:s3cret@h/db{i}\""))
             .collect();

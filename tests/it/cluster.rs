@@ -334,7 +334,7 @@ fn config(urls: &str, prefix: &str, db_url: &str, tiers: &std::path::Path) -> Co
     c.broker.heartbeat = Duration::from_secs(5);
     c.database.url = Secret::new(db_url);
     c.database.pool_size = 4;
-    c.topology.file = tiers.to_path_buf();
+    c.topology.file = Some(tiers.to_path_buf());
     // The message path alone must keep the promise: no sweeper to rescue it.
     c.worker.sweeper = false;
     c.worker.migrate_on_start = false;

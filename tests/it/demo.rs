@@ -21,7 +21,7 @@ const TIERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/topology/default.toml"
 
 /// A demo run's base names (its prefix and database derive from them), and cleanup of
 /// whatever a run left under them — also when the test fails half-way.
-struct Demo {
+pub(crate) struct Demo {
     bases: Bases,
     dir: tempfile::TempDir,
 }
@@ -36,7 +36,7 @@ struct Bases {
 }
 
 impl Demo {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             bases: Bases {
                 base_prefix: unique("demo"),
@@ -55,24 +55,27 @@ impl Demo {
         let svg = self.svg();
         full.push(&svg);
         full.extend_from_slice(args);
-        let db = database_url(&self.bases.base_db);
-        run_lapse(
-            &full,
-            &[
-                ("LAPSE_BROKER__URL", &amqp_url()),
-                ("LAPSE_BROKER__MANAGEMENT_URL", &management_url()),
-                ("LAPSE_BROKER__PREFIX", &self.bases.base_prefix),
-                ("LAPSE_DATABASE__URL", &db),
-                ("LAPSE_TOPOLOGY__FILE", TIERS),
-            ],
-        )
+        let mut vars = self.services();
+        vars.push(("LAPSE_TOPOLOGY__FILE", TIERS.to_string()));
+        let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run_lapse(&full, &vars)
     }
 
-    async fn leftovers(&self) -> (Vec<String>, Vec<String>) {
+    /// The variables that point a demo at the test services under this demo's bases.
+    pub(crate) fn services(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("LAPSE_BROKER__URL", amqp_url()),
+            ("LAPSE_BROKER__MANAGEMENT_URL", management_url()),
+            ("LAPSE_BROKER__PREFIX", self.bases.base_prefix.clone()),
+            ("LAPSE_DATABASE__URL", database_url(&self.bases.base_db)),
+        ]
+    }
+
+    pub(crate) async fn leftovers(&self) -> (Vec<String>, Vec<String>) {
         self.bases.leftovers().await
     }
 
-    async fn remove(&self) {
+    pub(crate) async fn remove(&self) {
         self.bases.remove().await
     }
 }
@@ -229,7 +232,7 @@ async fn existing(prefix: &str) -> Vec<String> {
     found
 }
 
-fn report(out: &std::process::Output) -> Value {
+pub(crate) fn report(out: &std::process::Output) -> Value {
     serde_json::from_str(&stdout(out)).unwrap_or_else(|e| {
         panic!(
             "not a JSON report ({e}); exit {:?}\nstdout: {}\nstderr: {}",

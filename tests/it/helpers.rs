@@ -148,7 +148,7 @@ impl TestEnv {
         c.broker.prefix = self.prefix.clone();
         c.database.url = Secret::new(self.database_url());
         c.database.pool_size = 4;
-        c.topology.file = self.tier_path();
+        c.topology.file = Some(self.tier_path());
         c.worker.sweeper = false;
         c.worker.migrate_on_start = false;
         // Generous on a busy test machine: the slack used is the relay's actual lag.

@@ -18,6 +18,7 @@ mod endpoints;
 mod helpers;
 mod hostile_deadlines;
 mod hostile_rows;
+mod installed;
 mod legacy_rows;
 mod liveness;
 mod locks;

@@ -177,18 +177,20 @@ async fn declare_queue_keeping(
 /// `Some(None)` to leave it out, `Some(Some(v))` for the broker's value, `None` when
 /// the drift is a real one. Accepted: any group size (it grows by operator action,
 /// docs/topology.md) and an absent leader locator (queues created before lapse set
-/// it); a leader locator other than ours is reported.
+/// it); a leader locator other than ours is reported. A topology built without a
+/// group size (`lapse status`, which does not ask the cluster for its size) accepts
+/// the size the queue was created with.
 fn existing_value(q: &QueueSpec, d: &Drift) -> Option<Option<ArgValue>> {
+    if d.argument == GROUP_SIZE_ARG {
+        if d.actual == ABSENT {
+            return Some(None);
+        }
+        return d.actual.parse::<i64>().ok().map(|n| Some(ArgValue::Int(n)));
+    }
     if !CREATE_ONLY_ARGS.contains(&d.argument.as_str()) || !q.arguments.contains_key(&d.argument) {
         return None;
     }
-    if d.actual == ABSENT {
-        return Some(None);
-    }
-    if d.argument == GROUP_SIZE_ARG {
-        return d.actual.parse::<i64>().ok().map(|n| Some(ArgValue::Int(n)));
-    }
-    None
+    (d.actual == ABSENT).then_some(None)
 }
 
 async fn finish(

@@ -107,6 +107,10 @@ pub struct BindingSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Topology {
     pub prefix: String,
+    /// The tiers, smallest first, and where they came from (the built-in default or a
+    /// file's path).
+    pub tiers: Vec<String>,
+    pub tiers_from: String,
     pub exchanges: Vec<ExchangeSpec>,
     pub queues: Vec<QueueSpec>,
     pub bindings: Vec<BindingSpec>,
@@ -249,6 +253,8 @@ impl Topology {
         }
         Self {
             prefix: names.prefix.clone(),
+            tiers: file.tiers.iter().map(|t| t.name()).collect(),
+            tiers_from: file.source.to_string(),
             exchanges,
             queues,
             bindings,
@@ -272,7 +278,11 @@ impl Topology {
 
     /// A readable table of what would be declared.
     pub fn render_table(&self) -> String {
-        let mut out = String::new();
+        let mut out = format!(
+            "TIERS {} (from {})\n",
+            self.tiers.join(" "),
+            self.tiers_from
+        );
         out.push_str("EXCHANGES\n");
         for e in &self.exchanges {
             out.push_str(&format!(
