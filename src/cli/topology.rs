@@ -156,9 +156,10 @@ fn print_apply(report: &topology::ApplyReport, pruned: Option<&topology::PruneRe
         for name in &p.deleted {
             println!("deleted   {name} (empty, no longer in the tier file)");
         }
-        for (name, depth) in &p.kept {
+        for k in &p.kept {
             println!(
-                "kept      {name} ({depth} messages; no longer in the tier file, delete it once it drains)"
+                "kept      {} ({}; no longer in the tier file, delete it once it drains)",
+                k.queue, k.why
             );
         }
         if p.deleted.is_empty() && p.kept.is_empty() {

@@ -399,6 +399,131 @@ async fn prune_deletes_empty_orphans_and_keeps_those_holding_messages() {
     env.cleanup().await;
 }
 
+/// Deployment B's prefix is `<A>.wait.x`, so every queue of B starts with A's wait
+/// prefix `<A>.wait.`. A's `apply --prune` must leave all of B alone, with the
+/// message B's worker holds unacknowledged, and must keep A's own orphan that has a
+/// consumer.
+#[tokio::test]
+async fn prune_never_deletes_a_neighbours_queues_or_a_queue_in_use() {
+    let env = TestEnv::new(&["1s", "30m", "1h"]).await;
+    assert!(env.lapse(&["topology", "apply"]).status.success());
+
+    let neighbour = format!("{}.wait.x", env.prefix);
+    let b_tiers = env.dir.path().join("b-tiers.toml");
+    std::fs::write(&b_tiers, "tiers = [\"1s\"]\n").unwrap();
+    let b_config = env.dir.path().join("b.toml");
+    std::fs::write(
+        &b_config,
+        format!(
+            "[broker]\nurl = {:?}\nmanagement_url = {:?}\nprefix = {neighbour:?}\n\n[topology]\nfile = {:?}\n",
+            crate::helpers::amqp_url(),
+            crate::helpers::management_url(),
+            b_tiers.display().to_string(),
+        ),
+    )
+    .unwrap();
+    let b = lapse::names::Names::new(neighbour.clone());
+    let applied = crate::helpers::run_lapse(
+        &["--config", b_config.to_str().unwrap(), "topology", "apply"],
+        &[],
+    );
+    assert!(applied.status.success(), "{}", stdout(&applied));
+    let b_queues = [
+        b.due_queue(),
+        b.parked(),
+        b.stock_release_queue(),
+        format!("{neighbour}.wait.1s"),
+    ];
+
+    // B's worker holds one due message, unacknowledged: B's due queue reads 0 ready.
+    let publisher = Publisher::new(&env.conn).await.unwrap();
+    publisher
+        .publish(
+            &b.due_exchange(),
+            "due",
+            b"held by B",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+    let b_worker = env.conn.create_channel().await.unwrap();
+    let mut held = b_worker
+        .basic_consume(
+            b.due_queue().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), held.next())
+        .await
+        .expect("B's message")
+        .unwrap()
+        .unwrap();
+
+    // A's own orphan `1h` has a consumer (an operator's), A's orphan `30m` is idle.
+    let watcher = env.conn.create_channel().await.unwrap();
+    let q = |tier: &str| format!("{}.wait.{tier}", env.prefix);
+    let _watching = watcher
+        .basic_consume(
+            q("1h").as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    env.write_tiers(&["1s"], "");
+    let pruned = env.lapse(&["topology", "apply", "--prune"]);
+    let out = stdout(&pruned);
+    assert!(
+        pruned.status.success(),
+        "{out}{}",
+        crate::helpers::stderr(&pruned)
+    );
+    assert!(out.contains(&format!("deleted   {}", q("30m"))), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with(&format!("kept      {} (", q("1h"))) && l.contains("consumers")),
+        "{out}"
+    );
+    for queue in &b_queues {
+        assert!(
+            !out.contains(queue.as_str()),
+            "prune looked at {queue}: {out}"
+        );
+        assert!(
+            env.management.queue("/", queue).await.unwrap().is_some(),
+            "{queue} of the neighbour was deleted: {out}"
+        );
+    }
+    assert!(env.management.queue("/", &q("1h")).await.unwrap().is_some());
+    assert!(
+        env.management
+            .queue("/", &q("30m"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // B's held message is still B's to acknowledge.
+    delivery.ack(BasicAckOptions::default()).await.unwrap();
+
+    let channel = env.conn.create_channel().await.unwrap();
+    for exchange in [
+        b.delay_exchange(),
+        b.due_exchange(),
+        b.parked(),
+        b.events_exchange(),
+    ] {
+        let _ = channel
+            .exchange_delete(exchange.as_str().into(), Default::default())
+            .await;
+    }
+    env.cleanup().await;
+}
+
 /// Reads one message from `queue`, waiting up to 10 s.
 async fn next_from(env: &TestEnv, queue: &str) -> lapin::message::Delivery {
     let channel = env.conn.create_channel().await.unwrap();

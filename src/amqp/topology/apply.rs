@@ -2,8 +2,12 @@
 //! instead of stopping at the first, and (`--prune`) delete empty orphan wait queues.
 //!
 //! Invariants: idempotent (a second run declares the same objects with the same
-//! arguments and changes nothing); a queue holding messages is never deleted — the
-//! broker's own `if-empty` check makes that atomic.
+//! arguments and changes nothing); `--prune` deletes only a queue whose whole name is
+//! `<prefix>.wait.<canonical tier name>` (never a neighbour deployment's queue whose
+//! prefix starts with ours), and never one that holds ready or unacknowledged
+//! messages or has a consumer. Quorum queues refuse `queue.delete` with `if-empty`
+//! (a connection-level `NOT_IMPLEMENTED`), so for them emptiness is checked, not
+//! enforced by the broker: see [`prune`] for the order of checks and what it leaves.
 
 use lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -18,6 +22,7 @@ use super::{
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::management::Management;
 use crate::names::Names;
+use crate::tier::Tier;
 
 /// An object that exists with other properties than the topology wants.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -279,17 +284,59 @@ pub async fn apply(conn: &Connection, topology: &Topology) -> Result<ApplyReport
 #[derive(Debug, Default, Serialize)]
 pub struct PruneReport {
     pub deleted: Vec<String>,
-    /// Orphans kept because they still hold messages, with their depth.
-    pub kept: Vec<(String, u64)>,
+    /// Orphans kept because they hold messages or have consumers.
+    pub kept: Vec<Kept>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Kept {
+    pub queue: String,
+    /// Messages in the queue (ready and unacknowledged) when it was looked at.
+    pub messages: u64,
+    /// What kept it, e.g. "3 messages, 1 consumers".
+    pub why: String,
+}
+
+/// The tier an orphan candidate stands for: `Some` only when `name` is exactly
+/// `<wait_prefix><canonical tier name>`. Anything else under the same text prefix
+/// (`P.wait.x.due` of a deployment whose prefix is `P.wait.x`, `P.wait.90m` when
+/// lapse would name that tier `1h30m`) is not lapse's and is never touched.
+pub fn orphan_tier(wait_prefix: &str, name: &str) -> Option<Tier> {
+    let suffix = name.strip_prefix(wait_prefix)?;
+    let tier = Tier::parse(suffix).ok()?;
+    (tier.name() == suffix).then_some(tier)
+}
+
+/// Why an orphan was kept rather than deleted.
+fn busy(messages: u64, unacknowledged: u64, consumers: u64) -> Option<String> {
+    let mut why = Vec::new();
+    if messages > 0 {
+        why.push(format!("{messages} messages"));
+    }
+    if unacknowledged > 0 {
+        why.push(format!("{unacknowledged} unacknowledged"));
+    }
+    if consumers > 0 {
+        why.push(format!("{consumers} consumers"));
+    }
+    (!why.is_empty()).then(|| why.join(", "))
 }
 
 /// Deletes wait queues of this prefix that the topology no longer has, if empty.
 ///
-/// Quorum queues refuse `queue.delete` with `if-empty`, so emptiness is made safe
-/// another way: the orphan is first unbound from the delay exchange (a publish to its
-/// tier now goes to the alternate exchange, i.e. parked, instead of into the queue),
-/// then its depth is read; an empty queue is deleted, a non-empty one is bound again
-/// and kept.
+/// A candidate must parse as one of lapse's tier queues ([`orphan_tier`]). Then:
+/// 1. the management API's view (which counts unacknowledged messages and consumers)
+///    must show no messages of any kind and no consumer;
+/// 2. the queue is unbound from the delay exchange, so a publish to its tier now goes
+///    to the alternate exchange (parked) instead of into the queue;
+/// 3. a passive declare, answered by the queue itself after the unbind, must show
+///    no ready message and no consumer; then the queue is deleted (with `if-empty`
+///    where the queue type supports it, i.e. not quorum). Otherwise it is bound
+///    again and kept.
+///
+/// What remains: a consumer that attaches between step 3 and the delete, on a wait
+/// queue no deployment of this prefix routes to any more. Lapse never consumes from
+/// wait queues; an operator's consumer there would lose only what it had not acked.
 pub async fn prune(
     conn: &Connection,
     management: &Management,
@@ -301,40 +348,65 @@ pub async fn prune(
     let delay = names.delay_exchange();
     let mut report = PruneReport::default();
     for q in management.queues(vhost).await? {
-        let Some(tier) = q.name.strip_prefix(&wait_prefix) else {
+        let Some(tier) = orphan_tier(&wait_prefix, &q.name) else {
             continue;
         };
         if topology.queue(&q.name).is_some() {
             continue;
         }
+        let seen = busy(
+            q.messages.unwrap_or(0),
+            q.messages_unacknowledged.unwrap_or(0),
+            q.consumers.unwrap_or(0),
+        );
+        if let Some(why) = seen {
+            report.kept.push(Kept {
+                queue: q.name.clone(),
+                messages: q.messages.unwrap_or(0),
+                why,
+            });
+            continue;
+        }
+        let quorum = q.arguments.get("x-queue-type").and_then(|v| v.as_str()) == Some("quorum");
         let channel = open(conn).await?;
         let name = q.name.as_str();
+        let routing_key = tier.name();
         let unbind = channel.queue_unbind(
             name.into(),
             delay.as_str().into(),
-            tier.into(),
+            routing_key.as_str().into(),
             FieldTable::default(),
         );
         replied("queue.unbind", unbind).await??;
         let asked = broker::passive_declare(&channel, name);
-        let depth = broker::within(REPLY_TIMEOUT, "queue.declare", asked)
+        let now = broker::within(REPLY_TIMEOUT, "queue.declare", asked)
             .await?
-            .existing(name)?
-            .messages;
-        if depth == 0 {
-            let delete = channel.queue_delete(name.into(), QueueDeleteOptions::default());
-            replied("queue.delete", delete).await??;
-            report.deleted.push(q.name.clone());
-        } else {
-            let bind = channel.queue_bind(
-                name.into(),
-                delay.as_str().into(),
-                tier.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            );
-            replied("queue.bind", bind).await??;
-            report.kept.push((q.name.clone(), u64::from(depth)));
+            .existing(name)?;
+        match busy(u64::from(now.messages), 0, u64::from(now.consumers)) {
+            None => {
+                let options = QueueDeleteOptions {
+                    if_empty: !quorum,
+                    ..QueueDeleteOptions::default()
+                };
+                let delete = channel.queue_delete(name.into(), options);
+                replied("queue.delete", delete).await??;
+                report.deleted.push(q.name.clone());
+            }
+            Some(why) => {
+                let bind = channel.queue_bind(
+                    name.into(),
+                    delay.as_str().into(),
+                    routing_key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                );
+                replied("queue.bind", bind).await??;
+                report.kept.push(Kept {
+                    queue: q.name.clone(),
+                    messages: u64::from(now.messages),
+                    why,
+                });
+            }
         }
         close(&channel).await;
     }
@@ -355,5 +427,42 @@ mod tests {
         let text = "PRECONDITION_FAILED - inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received the value 'reject-publish' of type 'longstr' but current is none";
         let d = parse_inequivalent("q", text);
         assert_eq!(d.actual, "(absent)");
+    }
+
+    #[test]
+    fn only_a_canonical_tier_name_after_the_wait_prefix_is_an_orphan_candidate() {
+        let p = "P.wait.";
+        assert_eq!(
+            orphan_tier(p, "P.wait.30m").map(Tier::name),
+            Some("30m".into())
+        );
+        assert_eq!(
+            orphan_tier(p, "P.wait.1h30m").map(Tier::name),
+            Some("1h30m".into())
+        );
+        // A neighbour whose prefix is `P.wait.x`, and other spellings.
+        for other in [
+            "P.wait.x.due",
+            "P.wait.x.parked",
+            "P.wait.x.stock.release",
+            "P.wait.x.wait.1s",
+            "P.wait.90m",
+            "P.wait.1s.due",
+            "P.wait.",
+            "P.wait.0s",
+            "P.due",
+            "Q.wait.1s",
+        ] {
+            assert_eq!(orphan_tier(p, other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn busy_names_every_reason() {
+        assert_eq!(busy(0, 0, 0), None);
+        assert_eq!(
+            busy(3, 2, 1).unwrap(),
+            "3 messages, 2 unacknowledged, 1 consumers"
+        );
     }
 }
