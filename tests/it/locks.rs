@@ -315,3 +315,49 @@ async fn a_held_stock_release_among_acknowledged_ones_survives_a_releaser_restar
     releaser.stop().await;
     env.cleanup().await;
 }
+
+/// One closed order whose row an application holds (a late payment in an open
+/// transaction) must not stall the stock releases of the orders after it: its event is
+/// held back with its own back-off while later batches are released, and `locked`
+/// counts that order once, not every retry.
+#[tokio::test]
+async fn one_locked_order_does_not_stall_the_stock_releases_after_it() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut db = env.db().await;
+    let first = create_orders(&mut db, &[Duration::from_millis(300)], &one_line()).await[0].0;
+    let mut config = env.config();
+    config.worker.releaser = false;
+    let closer = env.start(&config).await;
+    crate::release_repair::closed_with_releases_queued(&env, &db, 1, 1).await;
+    closer.stop().await;
+
+    let holder = env.db().await;
+    hold_row_lock(&holder, first).await;
+    let worker = env.start(&env.config()).await;
+    eventually(Duration::from_secs(30), "the locked order met", || async {
+        (worker.stats.get(Outcome::Locked) >= 1).then_some(())
+    })
+    .await;
+    // A later order, closed and released while the first one's row is still held.
+    let later = create_orders(&mut db, &[Duration::from_millis(300)], &one_line()).await[0].0;
+    wait_released(&db, 1).await;
+    let released: i64 = db
+        .query_one(
+            "SELECT count(*) AS n FROM stock_ledger WHERE kind = 'release' AND order_id = $1",
+            &[&later],
+        )
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(released, 1, "the later order's stock came back first");
+    // The lock lasts a few seconds more: the first order is retried with a back-off
+    // and counted once.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(worker.stats.get(Outcome::Locked), 1, "locked counts orders");
+    release_row_lock(&holder).await;
+    wait_released(&db, 2).await;
+    assert_eq!(crate::helpers::unstamped_closes(&db).await, 0);
+    assert_eq!(worker.stats.get(Outcome::Parked), 0);
+    worker.stop().await;
+    env.cleanup().await;
+}

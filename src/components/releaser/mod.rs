@@ -8,8 +8,9 @@
 //! SKU order, like every other writer of stock, so releases never deadlock with orders.
 //! An order row another transaction holds (an application inside a payment) is not
 //! waited for — waiting while holding a SKU's stock lock would block every checkout of
-//! that SKU — its delivery is held back and tried again after a back-off while the rest
-//! of the batch is released. An order whose deadline lies outside the range lapse handles
+//! that SKU — its delivery is held in the session's delay queue and tried again after
+//! that order's own back-off, while the rest of the batch and later batches are
+//! released (one locked order never stalls the others). An order whose deadline lies outside the range lapse handles
 //! (a row older than the deadline rules; the range constraint refuses any update of it)
 //! has its stock released but its row left unstamped, with an error logged; the
 //! reconciler stamps it once the row is repaired (docs/operations.md).
@@ -47,7 +48,10 @@ use crate::runtime::supervisor::Fatal;
 use crate::names::Names;
 
 pub use apply::ReleaseOutcome;
-use round::hold_away;
+use round::{hold_away, hold_locked};
+
+/// Orders (shard, id) met with their row locked, with each one's back-off.
+type Locked = HashMap<(u16, i64), Backoff>;
 
 #[derive(Deserialize)]
 struct ReleaseEvent {
@@ -115,6 +119,7 @@ impl Releaser {
         consume_reconnecting(how, &health, &token, || Batches {
             releaser: &self,
             away: HashMap::new(),
+            locked: HashMap::new(),
         })
         .await
     }
@@ -123,8 +128,9 @@ impl Releaser {
     /// database error keeps the deliveries unacknowledged and retries with back-off
     /// until the release commits or `token` is cancelled (then they return to the
     /// queue when the channel closes): an outage never spends a delivery's budget.
-    /// An order whose row another transaction holds is held back and tried again after
-    /// a back-off. A permanent error splits the batch until the events that fail are
+    /// An order whose row another transaction holds is held back in the session's delay
+    /// queue and tried again after its own back-off, while later batches go on
+    /// ([`hold_locked`]). A permanent error splits the batch until the events that fail are
     /// alone; each is tried [`PERMANENT_ATTEMPTS`] times, then parked with the reason —
     /// unless every event of the batch failed identically (see [`systemic`]): then
     /// the batch is held and retried up to [`SYSTEMIC_ROUNDS`] times first.
@@ -141,6 +147,7 @@ impl Releaser {
         token: &CancellationToken,
         busy: &Busy,
         away: &mut HashMap<u16, Backoff>,
+        locked: &mut Locked,
     ) -> Result<(), BrokerError> {
         let mut by_shard: BTreeMap<u16, Vec<Pending>> = BTreeMap::new();
         for delivery in batch {
@@ -184,8 +191,12 @@ impl Releaser {
             for shard in &round.released {
                 away.remove(shard);
             }
+            for order in &round.released_orders {
+                locked.remove(order);
+            }
             hold_away(round.away, session, away);
-            if round.failed.is_empty() && round.held.is_empty() {
+            hold_locked(round.held, session, locked, &self.stats);
+            if round.failed.is_empty() {
                 return Ok(());
             }
             let mut failed = round.failed;
@@ -208,13 +219,13 @@ impl Releaser {
                     self.stats
                         .by("releaser")
                         .record(Outcome::ReleaseRetried, u64::try_from(count).unwrap_or(0));
-                    work = group_by_shard(failed.into_iter().map(|(p, _)| p).chain(round.held));
+                    work = group_by_shard(failed.into_iter().map(|(p, _)| p));
                     busy.idle_while(backoff.sleep(token)).await;
                     continue;
                 }
                 failed = Vec::new();
             }
-            work = group_by_shard(round.held);
+            work = Vec::new();
             for (mut one, error) in failed {
                 one.failures += 1;
                 if one.failures < PERMANENT_ATTEMPTS {
@@ -233,7 +244,7 @@ impl Releaser {
             if work.iter().all(Vec::is_empty) {
                 return Ok(());
             }
-            // Waiting for a lock or a retry is not a stall.
+            // Waiting for a retry is not a stall.
             busy.idle_while(backoff.sleep(token)).await;
         }
     }
@@ -268,6 +279,7 @@ fn group_by_shard(events: impl IntoIterator<Item = Pending>) -> Vec<Vec<Pending>
 struct Batches<'a> {
     releaser: &'a Releaser,
     away: HashMap<u16, Backoff>,
+    locked: Locked,
 }
 
 /// The releaser handles each batch of the shared session loop.
@@ -280,7 +292,14 @@ impl BatchHandler for Batches<'_> {
         busy: &Busy,
     ) -> Result<(), BrokerError> {
         self.releaser
-            .process(batch, session, token, busy, &mut self.away)
+            .process(
+                batch,
+                session,
+                token,
+                busy,
+                &mut self.away,
+                &mut self.locked,
+            )
             .await
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{Pending, Releaser};
+use super::{Locked, Pending, Releaser};
 use crate::amqp::batch::{BatchSource, ConsumerSession};
 use crate::amqp::broker::BrokerError;
 use crate::observe::stats::Outcome;
@@ -21,6 +21,8 @@ pub(super) struct Round {
     pub failed: Vec<(Pending, String)>,
     /// Events whose order row another transaction held.
     pub held: Vec<Pending>,
+    /// Orders (shard, id) whose release committed in this round.
+    pub released_orders: Vec<(u16, i64)>,
     /// True when at least one release transaction committed.
     pub succeeded: bool,
     /// With several shards: chunks whose database was away, to hold and try again
@@ -50,6 +52,34 @@ pub(super) fn hold_away(
         }
     }
 }
+
+/// Holds each event whose order row another transaction held in the session's delay
+/// queue, after that order's own back-off (100 ms doubling to 5 s), so the releaser
+/// goes on with the next batch meanwhile. `Outcome::Locked` counts each order once per
+/// session, when it is first met locked, not each retry.
+pub(super) fn hold_locked(
+    held: Vec<Pending>,
+    session: &mut ConsumerSession,
+    locked: &mut Locked,
+    stats: &crate::observe::stats::Stats,
+) {
+    if locked.len() > MAX_LOCKED_TRACKED {
+        // Orders parked or settled elsewhere leave their entry behind; forget them all
+        // rather than grow without bound (the worst is a recount and a shorter wait).
+        locked.clear();
+    }
+    for p in held {
+        let backoff = locked.entry((p.shard, p.order_id)).or_insert_with(|| {
+            stats.by("releaser").record(Outcome::Locked, 1);
+            Backoff::new()
+        });
+        let until = tokio::time::Instant::now() + backoff.next_delay();
+        session.source.hold(p.delivery, until);
+    }
+}
+
+/// Locked orders whose back-off the releaser remembers, at most.
+const MAX_LOCKED_TRACKED: usize = 100_000;
 
 impl Releaser {
     /// Tries `work` once: releases what it can (acknowledging those deliveries),
@@ -90,14 +120,13 @@ impl Releaser {
                         .into_iter()
                         .partition(|p| outcome.held.contains(&p.order_id));
                     source.ack_all(released.iter().map(|p| &p.delivery)).await?;
+                    round
+                        .released_orders
+                        .extend(released.iter().map(|p| (p.shard, p.order_id)));
                     round.held.extend(held);
                     if !outcome.held.is_empty() {
                         tracing::debug!(orders = ?outcome.held,
                             "releaser: order rows locked by another transaction; holding them back");
-                        self.stats.by("releaser").record(
-                            Outcome::Locked,
-                            u64::try_from(outcome.held.len()).unwrap_or(0),
-                        );
                     }
                 }
                 Err(e) if e.is_transient() && self.pools.len() > 1 => {
