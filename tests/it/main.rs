@@ -39,6 +39,7 @@ mod release_window;
 mod secrets;
 mod shards;
 mod silent_broker;
+mod sql_surface;
 mod status;
 mod tcp_proxy;
 mod tls;
