@@ -1,7 +1,7 @@
 -- Two fixes of the SQL surface applications call (docs/reliability.md):
 --
--- 1. Every function lapse installs runs with a pinned search_path: lapse's own schema
---    (the one these migrations run in), then pg_catalog, then pg_temp LAST. Before,
+-- 1. Every function lapse installs runs with a pinned search_path: pg_catalog, then
+--    lapse's own schema (the one these migrations run in), then pg_temp LAST. Before,
 --    the functions followed the caller's search_path, so a temp table named `outbox`
 --    (pg_temp is searched first unless named) or an application schema with its own
 --    `orders` or `outbox` earlier in the path silently received lapse's writes: an
@@ -14,12 +14,16 @@
 
 SET LOCAL lock_timeout = '5s';
 
+-- No payment may record a row between the clean-up and the new index (workers migrate
+-- while applications pay).
+LOCK TABLE late_payments IN SHARE ROW EXCLUSIVE MODE;
+
 DELETE FROM late_payments l
  USING late_payments e
  WHERE e.order_id = l.order_id AND e.id < l.id AND l.refund = 'PENDING';
 ALTER TABLE late_payments ADD COLUMN repeat_of_history boolean NOT NULL DEFAULT false;
 UPDATE late_payments l SET repeat_of_history = true
- WHERE EXISTS (SELECT 1 FROM late_payments e WHERE e.order_id = l.order_id AND e.id < l.id);
+ WHERE l.refund <> 'PENDING' AND EXISTS (SELECT 1 FROM late_payments e WHERE e.order_id = l.order_id AND e.id < l.id);
 DROP INDEX late_payments_one_pending_per_order;
 CREATE UNIQUE INDEX late_payments_once_per_order ON late_payments (order_id)
     WHERE NOT repeat_of_history;
@@ -74,10 +78,13 @@ DECLARE
 BEGIN
     FOR v_fn IN
         SELECT p.oid::regprocedure FROM pg_proc p
-         WHERE p.pronamespace = current_schema()::regnamespace
+          JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = current_schema()
            AND p.proname LIKE 'lapse\_%'
     LOOP
-        EXECUTE format('ALTER FUNCTION %s SET search_path = %I, pg_catalog, pg_temp',
+        -- pg_catalog first, so nothing in lapse's schema can shadow a built-in
+        -- (clock_timestamp, now), and pg_temp last.
+        EXECUTE format('ALTER FUNCTION %s SET search_path = pg_catalog, %I, pg_temp',
                        v_fn, current_schema());
     END LOOP;
 END $$;

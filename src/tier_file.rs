@@ -199,13 +199,10 @@ mod tests {
     fn a_missing_relative_file_names_the_path_as_given_and_as_resolved() {
         let e = TierFile::load(Path::new("no/such/tiers.toml")).unwrap_err();
         assert_eq!(e.key, "topology.file");
-        let resolved = std::env::current_dir().unwrap().join("no/such/tiers.toml");
+        // As given, and as resolved: an absolute path ending in it. (The working
+        // directory itself is not read here: other tests of this binary change it.)
         assert!(e.problem.contains("no/such/tiers.toml"), "{}", e.problem);
-        assert!(
-            e.problem.contains(&resolved.display().to_string()),
-            "{}",
-            e.problem
-        );
+        assert!(e.problem.contains("/no/such/tiers.toml"), "{}", e.problem);
         assert!(e.problem.contains("working directory"), "{}", e.problem);
     }
 

@@ -100,7 +100,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
             "SELECT p.oid::regprocedure::text AS f FROM pg_proc p
               WHERE p.proname LIKE 'lapse\\_%'
                 AND p.pronamespace = 'public'::regnamespace
-                AND NOT coalesce(p.proconfig::text LIKE '%search_path=%', false)",
+                AND NOT coalesce(p.proconfig::text LIKE '%search_path=pg_catalog,%', false)",
             &[],
         )
         .await
