@@ -19,6 +19,17 @@ async fn intents_in_public_outbox(db: &tokio_postgres::Client, id: i64) -> i64 {
     .get("n")
 }
 
+/// An order due in an hour, created through the SQL function inside `tx`.
+async fn create_in(tx: &tokio_postgres::Transaction<'_>) -> i64 {
+    tx.query_one(
+        "SELECT lapse_create_order(now() + interval '1 hour') AS id",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get("id")
+}
+
 #[tokio::test]
 async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     let env = TestEnv::with_database(&["1s"]).await;
@@ -29,14 +40,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     tx.batch_execute("CREATE TEMP TABLE outbox (LIKE public.outbox INCLUDING DEFAULTS)")
         .await
         .unwrap();
-    let id: i64 = tx
-        .query_one(
-            "SELECT lapse_create_order(now() + interval '1 hour') AS id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get("id");
+    let id = create_in(&tx).await;
     let shadowed: i64 = tx
         .query_one("SELECT count(*) AS n FROM pg_temp.outbox", &[])
         .await
@@ -67,14 +71,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     ))
     .await
     .unwrap();
-    let id: i64 = tx
-        .query_one(
-            "SELECT lapse_create_order(now() + interval '1 hour') AS id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get("id");
+    let id = create_in(&tx).await;
     let paid: String = tx
         .query_one("SELECT lapse_pay_order($1) AS r", &[&id])
         .await
