@@ -11,12 +11,6 @@ use std::time::Duration;
 /// RabbitMQ rejects `x-message-ttl` above 2^32-1 milliseconds.
 pub const MAX_TTL_MS: u64 = u32::MAX as u64;
 
-/// The longest a delivery is held before it is decided again (a remainder shorter
-/// than the smallest tier, a locked row, a kept publish). Well below RabbitMQ's
-/// default `consumer_timeout` (30 min), which would close the channel over a longer
-/// unacknowledged hold.
-pub const MAX_HOLD: Duration = Duration::from_secs(10 * 60);
-
 /// One delay tier, e.g. `30m`. Ordered by duration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Tier(Duration);

@@ -12,11 +12,13 @@ pub mod topology;
 use crate::config::{BrokerConfig, BrokerTlsConfig};
 
 /// The broker as the `[broker]` section describes it: URL (one or several addresses),
-/// `tls.*` files (read now) and `confirm_timeout`.
+/// `tls.*` files (read now), `confirm_timeout` and the hold limit that
+/// `consumer_timeout` sets.
 pub fn endpoint(config: &BrokerConfig) -> Result<broker::Endpoint, tls::TlsError> {
     let mut endpoint = broker::Endpoint::new(config.url.clone());
     endpoint.tls = tls_files(&config.tls)?;
     endpoint.confirm_timeout = config.confirm_timeout;
+    endpoint.hold_limit = config.hold_limit();
     Ok(endpoint)
 }
 

@@ -71,6 +71,13 @@ pub struct BrokerConfig {
     /// delivered (and is retried on a fresh channel).
     #[serde(with = "humantime_serde")]
     pub confirm_timeout: Duration,
+    /// The broker's delivery acknowledgement timeout (`consumer_timeout` in
+    /// rabbitmq.conf, or a `consumer-timeout` policy or `x-consumer-timeout` argument
+    /// on lapse's queues): the broker closes a channel that keeps a delivery
+    /// unacknowledged longer. The worker keeps none longer than half of it; past that
+    /// it replaces the delivery with a fresh copy of itself.
+    #[serde(with = "humantime_serde")]
+    pub consumer_timeout: Duration,
     /// TLS for `amqps://` and `https://` broker URLs.
     #[serde(default)]
     pub tls: BrokerTlsConfig,
@@ -228,6 +235,9 @@ pub struct OrdersConfig {
     pub deadline_horizon: Duration,
 }
 
+/// RabbitMQ's default `consumer_timeout`.
+pub const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
 /// The longest `orders.deadline_horizon` (100 years; the database holds the same bound).
 pub const MAX_DEADLINE_HORIZON: Duration = Duration::from_secs(36_525 * 86_400);
 
@@ -240,6 +250,7 @@ impl Default for Config {
                 prefix: "lapse".into(),
                 heartbeat: Duration::from_secs(10),
                 confirm_timeout: Duration::from_secs(15),
+                consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
                 tls: BrokerTlsConfig::default(),
             },
             database: DatabaseConfig {
@@ -340,7 +351,26 @@ impl Config {
                 "must be more than 0s and at most 36525days (100 years)",
             ));
         }
-        self.tier_file()?;
+        let tiers = self.tier_file()?;
+        // A remainder shorter than the smallest tier is waited out unacknowledged: it
+        // must fit in what the broker's consumer timeout allows.
+        let smallest = tiers.tiers.smallest();
+        let limit = self.broker.hold_limit();
+        if smallest.duration() > limit {
+            return Err(ConfigError::new(
+                "broker.consumer_timeout",
+                format!(
+                    "is {}, so a delivery is kept unacknowledged at most {}, but the smallest \
+                     tier of {} is {}: remainders shorter than it are waited out \
+                     unacknowledged; add a smaller tier or raise the broker's consumer_timeout \
+                     (and this key)",
+                    humantime::format_duration(self.broker.consumer_timeout),
+                    humantime::format_duration(limit),
+                    tiers.source,
+                    smallest.name()
+                ),
+            ));
+        }
         Ok(())
     }
 

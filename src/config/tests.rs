@@ -170,6 +170,18 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
                 "database.statement_timeout",
             ),
             ("[database]\nlock_timeout = \"0s\"", "database.lock_timeout"),
+            (
+                "[broker]\nconsumer_timeout = \"1s\"",
+                "broker.consumer_timeout",
+            ),
+            (
+                "[broker]\nconsumer_timeout = \"60days\"",
+                "broker.consumer_timeout",
+            ),
+            (
+                "[broker]\nconsumer_timeout = \"10m\"\n[worker]\nlock_retry = \"6m\"",
+                "worker.lock_retry",
+            ),
             ("[broker]\nheartbeat = \"0s\"", "broker.heartbeat"),
             ("[broker]\nheartbeat = \"500ms\"", "broker.heartbeat"),
             ("[broker]\nheartbeat = \"1day\"", "broker.heartbeat"),
@@ -377,6 +389,31 @@ fn bad_shard_lists_name_the_key_and_hide_the_urls() {
         jail.create_file("lapse.toml", "[database]\nshards = [\"postgres://h/b\"]")?;
         jail.set_env("LAPSE_DATABASE__URL", "postgres://h/a");
         assert_eq!(load().unwrap_err().key, "database.url");
+        Ok(())
+    });
+}
+
+#[test]
+fn a_smallest_tier_longer_than_the_hold_limit_is_refused_naming_both() {
+    Jail::expect_with(|jail| {
+        // Half of 3 s is 1.5 s; the built-in tiers start at 1 s: fine.
+        jail.create_file("lapse.toml", "[broker]\nconsumer_timeout = \"3s\"")?;
+        load().unwrap();
+        jail.create_file("tiers.toml", "tiers = [\"5s\", \"1m\"]")?;
+        jail.create_file(
+            "lapse.toml",
+            "[broker]\nconsumer_timeout = \"3s\"\n[topology]\nfile = \"tiers.toml\"",
+        )?;
+        let err = load().unwrap_err();
+        assert_eq!(err.key, "broker.consumer_timeout");
+        assert!(err.problem.contains("5s"), "{}", err.problem);
+        assert!(err.problem.contains("tiers.toml"), "{}", err.problem);
+        // The broker's default (30 min) takes a tier file starting at 10 minutes.
+        jail.create_file("tiers.toml", "tiers = [\"10m\"]")?;
+        jail.create_file("lapse.toml", "[topology]\nfile = \"tiers.toml\"")?;
+        load().unwrap();
+        jail.create_file("tiers.toml", "tiers = [\"16m\"]")?;
+        assert_eq!(load().unwrap_err().key, "broker.consumer_timeout");
         Ok(())
     });
 }

@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use super::{BrokerConfig, Config, ConfigError, Secret};
 
+/// The longest `worker.lock_retry` accepted (a locked row is looked at again at least
+/// this often).
+pub const MAX_LOCK_RETRY: Duration = Duration::from_secs(10 * 60);
+
 /// The longest `worker.batch_window` and `worker.release_batch_window` accepted.
 pub const MAX_BATCH_WINDOW: Duration = Duration::from_secs(10);
 
@@ -18,14 +22,28 @@ impl Config {
         let pg_max = Duration::from_millis(i32::MAX.unsigned_abs().into());
         within("relay.poll_interval", self.relay.poll_interval, ms, None)?;
         within("sweeper.interval", self.sweeper.interval, ms, None)?;
-        // A locked order's delivery is held this long; the broker closes a channel
-        // holding a delivery unacknowledged past its consumer_timeout (30 min).
+        // Half of it is the longest a delivery is kept unacknowledged; under a second
+        // that would leave no room for a hold. RabbitMQ checks it about once a minute.
         within(
-            "worker.lock_retry",
-            self.worker.lock_retry,
-            ms,
-            Some(crate::tier::MAX_HOLD),
+            "broker.consumer_timeout",
+            self.broker.consumer_timeout,
+            Duration::from_secs(2),
+            Some(Duration::from_millis(crate::tier::MAX_TTL_MS)),
         )?;
+        // A locked order's delivery is held this long at a time; past the hold limit
+        // (half the broker's consumer timeout) it is replaced by a fresh copy.
+        let lock_retry_max = self.broker.hold_limit().min(MAX_LOCK_RETRY);
+        if self.worker.lock_retry > lock_retry_max {
+            return Err(ConfigError::new(
+                "worker.lock_retry",
+                format!(
+                    "must be at most {} (10 min, and half of broker.consumer_timeout: a \
+                     delivery is never kept unacknowledged longer)",
+                    humantime::format_duration(lock_retry_max)
+                ),
+            ));
+        }
+        within("worker.lock_retry", self.worker.lock_retry, ms, None)?;
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
         // A batch's first delivery waits unacknowledged for the whole window: past
         // seconds it would only add lateness (or hold stock) and near the broker's
@@ -74,6 +92,12 @@ impl Config {
 }
 
 impl BrokerConfig {
+    /// The longest the worker keeps a delivery unacknowledged: half the broker's
+    /// consumer timeout, leaving the other half for the batch that decides it.
+    pub fn hold_limit(&self) -> Duration {
+        self.consumer_timeout / 2
+    }
+
     /// A `heartbeat` in the URL wins over `broker.heartbeat`, so it is held to the same
     /// rule: `heartbeat=0` would switch off the bound on a frozen worker.
     fn validate_url_heartbeat(&self) -> Result<(), ConfigError> {

@@ -14,6 +14,7 @@ pub const REDELAYS_REFUSED: &str = "lapse_redelays_refused_total";
 pub const HOLDS: &str = "lapse_holds_total";
 pub const PARKED: &str = "lapse_parked_total";
 pub const UNROUTABLE: &str = "lapse_unroutable_total";
+pub const RENEWALS: &str = "lapse_renewals_total";
 pub const TIER_HOPS: &str = "lapse_tier_hops_total";
 pub const RELAY_PUBLISHED: &str = "lapse_relay_published_total";
 pub const RELAY_REFUSED: &str = "lapse_relay_refused_total";
@@ -82,6 +83,11 @@ pub fn describe() {
         UNROUTABLE,
         Unit::Count,
         "Publishes whose queue was missing, by component; the relay keeps the row, the worker keeps or parks the delivery."
+    );
+    describe_counter!(
+        RENEWALS,
+        Unit::Count,
+        "Deliveries kept unacknowledged as long as the broker's consumer timeout allows (half of broker.consumer_timeout), by component and result (renewed: replaced by a fresh copy; given_back: the copy could not be published, basic.nack)."
     );
     describe_counter!(
         TIER_HOPS,

@@ -54,9 +54,15 @@ pub enum Outcome {
     Unroutable,
     /// Reconciler: a CLOSED order's lost stock release emitted again (should stay 0).
     ReleaseRepaired,
+    /// A delivery kept unacknowledged as long as the broker's consumer timeout allows
+    /// (a long-locked row): replaced by a fresh copy of itself in its queue.
+    Renewed,
+    /// Such a delivery whose copy could not be published: given back with
+    /// `basic.nack` (one delivery of its budget, not the whole channel's).
+    GivenBack,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 18] = [
+pub const ALL_OUTCOMES: [Outcome; 20] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
@@ -75,6 +81,8 @@ pub const ALL_OUTCOMES: [Outcome; 18] = [
     Outcome::ReleaseRetried,
     Outcome::Unroutable,
     Outcome::ReleaseRepaired,
+    Outcome::Renewed,
+    Outcome::GivenBack,
 ];
 
 impl Outcome {
@@ -98,6 +106,8 @@ impl Outcome {
             Outcome::ReleaseRetried => "release_retried",
             Outcome::Unroutable => "unroutable",
             Outcome::ReleaseRepaired => "release_repaired",
+            Outcome::Renewed => "renewed",
+            Outcome::GivenBack => "given_back",
         }
     }
 
@@ -151,6 +161,14 @@ impl Stats {
             (PublishRefused, "relay") => metrics::counter!(m::RELAY_REFUSED).increment(n),
             (PublishRefused, _) => metrics::counter!(m::REDELAYS_REFUSED).increment(n),
             (Unroutable, _) => metrics::counter!(m::UNROUTABLE, "component" => by).increment(n),
+            (Renewed, _) => {
+                metrics::counter!(m::RENEWALS, "component" => by, "result" => "renewed")
+                    .increment(n)
+            }
+            (GivenBack, _) => {
+                metrics::counter!(m::RENEWALS, "component" => by, "result" => "given_back")
+                    .increment(n)
+            }
             (Released, _) => metrics::counter!(m::RELEASES).increment(n),
             (ReleaseRetried, _) => metrics::counter!(m::RELEASE_RETRIES).increment(n),
             (ReleaseRepaired, _) => metrics::counter!(m::RECONCILER_REPAIRS).increment(n),

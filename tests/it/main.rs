@@ -13,6 +13,7 @@ mod cli_orders;
 mod cli_startup;
 mod cluster;
 mod config_cli;
+mod consumer_timeout;
 mod demo;
 mod endpoints;
 mod helpers;

@@ -86,7 +86,13 @@ async fn attaching_a_consumer_on_a_silent_broker_ends_within_the_reply_timeout()
     frozen.store(true, Ordering::SeqCst);
     let attached = tokio::time::timeout(
         HUNG,
-        BatchSource::open(&conn, "lapse-test-silent", 10, REPLY_TIMEOUT),
+        BatchSource::open(
+            &conn,
+            "lapse-test-silent",
+            10,
+            REPLY_TIMEOUT,
+            Duration::from_secs(60),
+        ),
     )
     .await
     .expect("attaching a consumer waited without a bound");

@@ -3,7 +3,6 @@
 //! to its tag, so the source records what it handed out and groups only runs with
 //! nothing held, kept or undecided below or among them.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use lapin::message::Delivery;
@@ -20,7 +19,7 @@ impl BatchSource {
 
     /// True while `delivery` (handed out by this source) is not acknowledged.
     pub fn is_unacked(&self, delivery: &Delivery) -> bool {
-        self.unacked.contains(&delivery.delivery_tag)
+        self.unacked.contains_key(&delivery.delivery_tag)
     }
 
     /// Acknowledges `deliveries` of this source in as few frames as is safe: the
@@ -37,10 +36,10 @@ impl BatchSource {
         debug_assert!(
             sorted
                 .iter()
-                .all(|d| self.unacked.contains(&d.delivery_tag)),
+                .all(|d| self.unacked.contains_key(&d.delivery_tag)),
             "acknowledging a delivery this source did not hand out, or one already acknowledged"
         );
-        let covered = covered_prefix(&self.unacked, sorted.iter().map(|d| d.delivery_tag));
+        let covered = covered_prefix(self.unacked.keys(), sorted.iter().map(|d| d.delivery_tag));
         let singles = if covered >= 2 {
             ack_with(sorted[covered - 1], true).await?;
             for d in &sorted[..covered] {
@@ -99,9 +98,11 @@ async fn ack_with(delivery: &Delivery, multiple: bool) -> Result<(), BrokerError
 /// may cover: the longest run from the lowest unacknowledged tag on in which every
 /// unacknowledged tag is one of `tags`. Zero when the lowest unacknowledged delivery is
 /// not among them.
-fn covered_prefix(unacked: &BTreeSet<u64>, tags: impl Iterator<Item = u64>) -> usize {
+fn covered_prefix<'a>(
+    unacked: impl Iterator<Item = &'a u64>,
+    tags: impl Iterator<Item = u64>,
+) -> usize {
     unacked
-        .iter()
         .zip(tags)
         .take_while(|(held, tag)| **held == *tag)
         .count()
@@ -114,7 +115,7 @@ mod tests {
 
     fn covered(unacked: &[u64], tags: &[u64]) -> usize {
         let unacked: BTreeSet<u64> = unacked.iter().copied().collect();
-        covered_prefix(&unacked, tags.iter().copied())
+        covered_prefix(unacked.iter(), tags.iter().copied())
     }
 
     #[test]

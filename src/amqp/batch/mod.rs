@@ -6,13 +6,20 @@
 //! to retry) stay in the source's own delay queue, polled by `next` together with the
 //! broker's deliveries: no task outlives the session, and closing the session (or
 //! cancelling its token) drops them unacknowledged, so the broker delivers them again.
+//!
+//! Invariant: no delivery stays unacknowledged longer than the endpoint's hold limit
+//! (half the broker's consumer timeout, past which the broker would close the channel
+//! and hand every unacknowledged delivery of it out again, each one's delivery count
+//! raised). A hold that would end later is refused; the session then replaces the
+//! delivery by a fresh copy of itself in the same queue, confirmed before the original
+//! is acknowledged ([`ConsumerSession::renew_overdue`]).
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -20,9 +27,10 @@ use tokio_util::time::DelayQueue;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint};
 
-use crate::amqp::publishing::{PublishingConnection, parked_copy};
+use crate::amqp::publishing::{Outgoing, PublishingConnection, parked_copy};
+use crate::components::redelivery::{requeued_properties, returns_so_far};
+use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::health::{Busy, Health};
-use crate::tier::MAX_HOLD;
 
 mod ack;
 pub use ack::{ACK_TIMEOUT, ack};
@@ -35,8 +43,13 @@ pub struct BatchSource {
     prefetch: u16,
     held: DelayQueue<Delivery>,
     /// The tags of every delivery handed out and not acknowledged yet (held ones
-    /// included): what a `multiple` acknowledgement may cover.
-    unacked: BTreeSet<u64>,
+    /// included), each with when it arrived: what a `multiple` acknowledgement may
+    /// cover, and how long each has been kept.
+    unacked: BTreeMap<u64, Instant>,
+    /// The longest a delivery is kept unacknowledged ([`Endpoint::hold_limit`]).
+    hold_limit: Duration,
+    /// Deliveries a hold would have kept past `hold_limit`: to renew.
+    overdue: Vec<Delivery>,
     /// How long any reply of the broker on this channel is waited for.
     reply_timeout: Duration,
     pub channel: lapin::Channel,
@@ -48,12 +61,14 @@ pub const IDLE_CHECK: Duration = Duration::from_secs(10);
 
 impl BatchSource {
     /// Opens a channel with `prefetch` and starts consuming `queue`; each step waits
-    /// at most `reply_timeout` for the broker's reply.
+    /// at most `reply_timeout` for the broker's reply. No delivery is held past
+    /// `hold_limit` from its arrival.
     pub async fn open(
         conn: &lapin::Connection,
         queue: &str,
         prefetch: u16,
         reply_timeout: Duration,
+        hold_limit: Duration,
     ) -> Result<Self, BrokerError> {
         let channel = broker::open_channel_within(conn, reply_timeout).await?;
         let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
@@ -76,19 +91,60 @@ impl BatchSource {
             queue: queue.to_string(),
             prefetch,
             held: DelayQueue::new(),
-            unacked: BTreeSet::new(),
+            unacked: BTreeMap::new(),
+            hold_limit,
+            overdue: Vec::new(),
             reply_timeout,
             channel,
         })
     }
 
-    /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`.
-    /// A hold is at most [`MAX_HOLD`]: a delivery handed out again earlier is only
-    /// decided once more (never closed early), while a deadline past what the delay
-    /// queue can hold would panic.
+    /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`,
+    /// unless that is past the hold limit counted from its arrival: then it is set
+    /// aside for [`ConsumerSession::renew_overdue`], which the session loop runs after
+    /// each batch.
     pub fn hold(&mut self, delivery: Delivery, until: Instant) {
-        self.held
-            .insert_at(delivery, until.min(Instant::now() + MAX_HOLD));
+        if until > self.kept_until(&delivery) {
+            self.overdue.push(delivery);
+        } else {
+            self.held.insert_at(delivery, until);
+        }
+    }
+
+    /// The last moment `delivery` may still be unacknowledged.
+    fn kept_until(&self, delivery: &Delivery) -> Instant {
+        let arrived = self
+            .unacked
+            .get(&delivery.delivery_tag)
+            .copied()
+            .unwrap_or_else(Instant::now);
+        arrived + self.hold_limit
+    }
+
+    /// True when `delivery` has been kept unacknowledged as long as it may be: it is
+    /// to be held (and so renewed), not waited on any longer.
+    pub fn must_renew(&self, delivery: &Delivery) -> bool {
+        Instant::now() >= self.kept_until(delivery)
+    }
+
+    /// Gives `delivery` back to the queue (`basic.nack`, requeue): the last resort for
+    /// an overdue delivery whose copy could not be published. It costs the message a
+    /// delivery, where the broker's consumer timeout would cost one to every
+    /// unacknowledged delivery of the channel.
+    async fn requeue(&mut self, delivery: &Delivery) -> Result<(), BrokerError> {
+        let options = BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        };
+        let nacked = tokio::time::timeout(ACK_TIMEOUT, delivery.acker.nack(options))
+            .await
+            .map_err(|_| BrokerError::AckTimeout { after: ACK_TIMEOUT })?
+            .map_err(BrokerError::amqp("basic.nack"))?;
+        if !nacked {
+            return Err(BrokerError::ConnectionLost);
+        }
+        self.unacked.remove(&delivery.delivery_tag);
+        Ok(())
     }
 
     /// How many deliveries are held.
@@ -113,7 +169,11 @@ impl BatchSource {
                 biased;
                 _ = token.cancelled() => return Ok(None),
                 Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => break d.into_inner(),
-                next = self.consumer.next() => break Self::unwrap(next)?,
+                next = self.consumer.next() => {
+                    let d = Self::unwrap(next)?;
+                    self.unacked.insert(d.delivery_tag, Instant::now());
+                    break d;
+                }
                 _ = tokio::time::sleep(IDLE_CHECK) => {
                     // Nothing arrived for a while although there is room in prefetch:
                     // does the queue hold ready messages the broker does not deliver
@@ -143,15 +203,17 @@ impl BatchSource {
             tokio::select! {
                 biased;
                 Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
-                next = self.consumer.next() => batch.push(Self::unwrap(next)?),
+                next = self.consumer.next() => {
+                    let d = Self::unwrap(next)?;
+                    self.unacked.insert(d.delivery_tag, Instant::now());
+                    batch.push(d);
+                }
                 _ = tokio::time::sleep_until(until) => break,
                 // A long window (up to 10 s) must not hold up a shutdown: what has
                 // arrived is handled now.
                 _ = token.cancelled() => break,
             }
         }
-        // Held deliveries are in the set already; inserting them again changes nothing.
-        self.unacked.extend(batch.iter().map(|d| d.delivery_tag));
         Ok(Some(batch))
     }
 
@@ -210,7 +272,14 @@ impl ConsumerSession {
         let conn = endpoint
             .connect(&format!("lapse {role} consume {prefix}"))
             .await?;
-        let source = match BatchSource::open(&conn, queue, prefetch, endpoint.confirm_timeout).await
+        let source = match BatchSource::open(
+            &conn,
+            queue,
+            prefetch,
+            endpoint.confirm_timeout,
+            endpoint.hold_limit,
+        )
+        .await
         {
             Ok(source) => source,
             Err(e) => {
@@ -238,6 +307,41 @@ impl ConsumerSession {
 }
 
 impl ConsumerSession {
+    /// Replaces each delivery a hold would have kept past the hold limit by a fresh
+    /// copy of itself in the same queue (through the default exchange, confirmed, the
+    /// broker's delivery count carried in lapse's returns header), then acknowledges
+    /// the original; the copy is decided like any delivery when it arrives. A copy
+    /// that cannot be published (a broker alarm, a full queue) leaves one way that
+    /// does not cost the whole channel: the original is given back with `basic.nack`.
+    /// Returns how many were renewed and how many given back.
+    pub async fn renew_overdue(&mut self) -> Result<(usize, usize), BrokerError> {
+        let overdue = std::mem::take(&mut self.source.overdue);
+        let (mut renewed, mut given_back) = (0, 0);
+        for delivery in overdue {
+            let properties =
+                requeued_properties(&delivery.properties, returns_so_far(&delivery.properties));
+            let copy = Outgoing::new("", &self.source.queue, delivery.data.clone(), properties);
+            match self.publishing.publish(copy).await {
+                Ok(()) => {
+                    self.source.ack(&delivery).await?;
+                    renewed += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, queue = %self.source.queue,
+                        "could not renew a delivery kept as long as the broker's consumer \
+                         timeout allows; giving it back to the queue");
+                    self.source.requeue(&delivery).await?;
+                    given_back += 1;
+                }
+            }
+        }
+        if renewed + given_back > 0 {
+            tracing::info!(renewed, given_back, queue = %self.source.queue,
+                "deliveries kept as long as the broker's consumer timeout allows were renewed");
+        }
+        Ok((renewed, given_back))
+    }
+
     /// Publishes a parked copy of `delivery` with `reason` on `parked_exchange`, then
     /// acknowledges it; on error nothing was acknowledged.
     pub async fn park(
@@ -305,6 +409,8 @@ pub struct Consuming<'a> {
     pub component: &'static str,
     pub queue: String,
     pub batching: Batching,
+    /// Counts the deliveries renewed or given back at the hold limit.
+    pub stats: Stats,
 }
 
 /// Consumes as `how` says until `token` is cancelled, reconnecting with back-off
@@ -360,6 +466,14 @@ pub(crate) async fn consume<H: BatchHandler>(
         let busy = health.busy(how.component);
         if let Err(e) = handler.handle(batch, &mut session, token, &busy).await {
             break Err(e);
+        }
+        match session.renew_overdue().await {
+            Ok((renewed, given_back)) => {
+                let n = |count: usize| u64::try_from(count).unwrap_or(u64::MAX);
+                how.stats.record(Outcome::Renewed, n(renewed));
+                how.stats.record(Outcome::GivenBack, n(given_back));
+            }
+            Err(e) => break Err(e),
         }
     };
     session.close().await;

@@ -156,6 +156,9 @@ pub struct Endpoint {
     pub url: Secret,
     pub tls: TlsFiles,
     pub confirm_timeout: Duration,
+    /// The longest a consumer keeps a delivery unacknowledged (half the broker's
+    /// consumer timeout): past it the delivery is replaced by a fresh copy.
+    pub hold_limit: Duration,
     cursor: addresses::Cursor,
 }
 
@@ -166,6 +169,7 @@ impl Endpoint {
             url,
             tls: TlsFiles::default(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            hold_limit: crate::config::DEFAULT_CONSUMER_TIMEOUT / 2,
             cursor: addresses::Cursor::default(),
         }
     }

@@ -157,6 +157,7 @@ impl Consumer {
             component: "consumer",
             queue: self.names.due_queue(),
             batching: self.batching,
+            stats: self.stats.clone(),
         };
         consume_reconnecting(how, &health, &token, || Batches {
             consumer: &self,

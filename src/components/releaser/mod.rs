@@ -115,6 +115,7 @@ impl Releaser {
             component: "releaser",
             queue: self.names.stock_release_queue(),
             batching: self.batching,
+            stats: self.stats.by("releaser"),
         };
         consume_reconnecting(how, &health, &token, || Batches {
             releaser: &self,

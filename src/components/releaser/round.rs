@@ -129,7 +129,13 @@ impl Releaser {
                             "releaser: order rows locked by another transaction; holding them back");
                     }
                 }
-                Err(e) if e.is_transient() && self.pools.len() > 1 => {
+                // Kept as long as the broker's consumer timeout allows: held (and so
+                // renewed) instead of waited on longer.
+                Err(e)
+                    if e.is_transient()
+                        && (self.pools.len() > 1
+                            || chunk.iter().any(|p| source.must_renew(&p.delivery))) =>
+                {
                     tracing::warn!(error = %e.detail(), held = chunk.len(), shard,
                         "releaser: shard database unavailable; holding its deliveries, releasing the other shards'");
                     self.stats.by("releaser").record(
