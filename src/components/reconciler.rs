@@ -34,7 +34,7 @@ use tokio_postgres::GenericClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SweeperConfig;
-use crate::db::{DbError, column};
+use crate::db::{DbError, Lease, column};
 use crate::deadline;
 use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::health::Busy;
@@ -61,6 +61,8 @@ pub struct ReconcileReport {
     /// True when the pass stopped at [`PAGES_PER_PASS`] (or shutdown) before the end
     /// of the index; the next pass continues from there.
     pub more: bool,
+    /// True when the sweeper's lease was lost part-way: the pass stopped there.
+    pub lost_lead: bool,
 }
 
 /// Where the walk over the unreleased index stands between passes.
@@ -112,16 +114,6 @@ const EXHAUSTED_SQL: &str = "
 SELECT count(*) AS exhausted FROM orders
  WHERE id = ANY($1) AND released_at IS NULL AND release_repairs >= $2";
 
-/// One reconciler pass from the start of the index (at most [`PAGES_PER_PASS`] pages).
-pub async fn run_once(
-    client: &mut deadpool_postgres::Client,
-    config: &SweeperConfig,
-    stats: &Stats,
-) -> Result<ReconcileReport, DbError> {
-    let token = CancellationToken::new();
-    run_pass(client, config, stats, &mut Cursor::default(), None, &token).await
-}
-
 /// One reconciler pass: at most [`PAGES_PER_PASS`] pages from `cursor`, which is left
 /// where the next pass continues (back at the start once the index is walked). `busy`
 /// (when given) hears of progress after every page; `token` ends the pass between
@@ -129,6 +121,7 @@ pub async fn run_once(
 // Over 60 lines on purpose: one keyset-paged pass (page, stamp, re-emit, count); the cursor and the counters span the loop.
 pub async fn run_pass(
     client: &mut deadpool_postgres::Client,
+    lease: &mut Lease,
     config: &SweeperConfig,
     stats: &Stats,
     cursor: &mut Cursor,
@@ -177,6 +170,10 @@ pub async fn run_pass(
             }
         }
         let tx = client.transaction().await?;
+        if !lease.fence(&tx).await? {
+            report.lost_lead = true;
+            break;
+        }
         let stamped = tx.execute(STAMP_SQL, &[&ids]).await?;
         let repaired: i64 = column(
             &tx.query_one(REEMIT_SQL, &[&ids, &MAX_REPAIRS, &grace_ms])

@@ -1,4 +1,4 @@
-//! The backstop sweeper: every interval, one leader (advisory lock) scans UNPAID
+//! The backstop sweeper: every interval, one leader (a lease, [`Lease`]) scans UNPAID
 //! orders overdue by more than a grace period — keyset pagination over the partial
 //! index, bounded batches, a pause between them — and closes them through the same
 //! close path as the worker. What it closes should be ~0; a rise means the message
@@ -11,6 +11,12 @@
 //! in the close path) and left to the next sweep.
 //! Shutdown ends a sweep between batches and cuts its pauses and rate-limit waits
 //! short; each batch (and each reconciler page) is reported as progress.
+//!
+//! Leadership: each batch's (and each reconciler page's) transaction renews the lease
+//! first and writes nothing when it is no longer ours; the sweep then stops. A leader
+//! that freezes or is cut off loses the lead `sweeper.lease` after its last batch
+//! (`database.statement_timeout` when it froze inside one), and another worker takes
+//! over at its next sweep. The lease is given up on shutdown.
 
 use std::time::Duration;
 
@@ -21,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::close::{self, Candidate, CloseReason};
 use crate::components::reconciler;
 use crate::config::SweeperConfig;
-use crate::db::{DbError, column};
+use crate::db::{DbError, Lease, column};
 use crate::deadline;
 use crate::observe::metric_catalog as m;
 use crate::observe::stats::{Outcome, Stats};
@@ -29,8 +35,8 @@ use crate::runtime::health::Busy;
 use crate::runtime::health::Health;
 use crate::runtime::rate::RateLimiter;
 
-/// Advisory lock key of the sweeper leader ("sweep").
-pub const LEADER_LOCK: i64 = 0x0073_7765_6570;
+/// The name of the sweeper's lease (one per order database).
+pub const LEASE: &str = "sweeper";
 
 #[derive(Clone)]
 pub struct Sweeper {
@@ -45,8 +51,11 @@ pub struct Sweeper {
 /// What one sweep did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SweepReport {
-    /// False when another sweeper held the leader lock (nothing was scanned).
+    /// False when another sweeper held the lease (nothing was scanned).
     pub leader: bool,
+    /// True when the lease was lost part-way (expired while this worker was frozen or
+    /// cut off, or taken over): the sweep stopped there.
+    pub lost_lead: bool,
     pub scanned: usize,
     pub closed: usize,
     /// Overdue orders skipped because another transaction held their row lock.
@@ -103,58 +112,78 @@ impl SweepReport {
 }
 
 impl Sweeper {
-    /// One sweep and one reconciler pass from the start of its index.
+    /// One sweep and one reconciler pass from the start of its index, as leader when
+    /// no other worker leads; the lease is given up afterwards.
     pub async fn run_once(&self) -> Result<SweepReport, DbError> {
         let token = CancellationToken::new();
+        let mut lease = Lease::new(LEASE, self.config.lease);
         let report = self
-            .sweep_once(None, &token, &mut reconciler::Cursor::default())
-            .await?;
+            .sweep_once(&mut lease, None, &token, &mut reconciler::Cursor::default())
+            .await;
+        self.give_up(&mut lease).await;
+        let report = report?;
         report.export(None);
         Ok(report)
+    }
+
+    /// Gives the lease up, so another worker can lead at once (best effort: it
+    /// expires anyway).
+    async fn give_up(&self, lease: &mut Lease) {
+        if lease.epoch().is_none() {
+            return;
+        }
+        let released = match self.pool.get().await {
+            Ok(client) => lease.release(&client).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = released {
+            tracing::debug!(error = %e, "sweeper: could not give the lease up; it expires");
+        }
     }
 
     /// One sweep; `busy` (when given) hears of progress after every batch; `token`
     /// ends it early; the reconciler continues from `cursor`.
     async fn sweep_once(
         &self,
+        lease: &mut Lease,
         busy: Option<&Busy>,
         token: &CancellationToken,
         cursor: &mut reconciler::Cursor,
     ) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
-        let leader: bool = column(
-            &client
-                .query_one("SELECT pg_try_advisory_lock($1) AS leader", &[&LEADER_LOCK])
-                .await?,
-            "leader",
-        )?;
-        if !leader {
+        if !lease.acquire(&mut client).await? {
             return Ok(SweepReport::default());
         }
-        let mut result = self.sweep(&mut client, busy, token).await;
-        if let Ok(report) = &mut result
-            && !token.is_cancelled()
-        {
-            match reconciler::run_pass(&mut client, &self.config, &self.stats, cursor, busy, token)
-                .await
-            {
-                Ok(r) => {
-                    report.releases_repaired = r.repaired;
-                    report.releases_unreadable = r.unreadable;
-                }
-                Err(e) => result = Err(e),
-            }
+        let mut report = self.sweep(&mut client, lease, busy, token).await?;
+        if !token.is_cancelled() && !report.lost_lead {
+            let r = reconciler::run_pass(
+                &mut client,
+                lease,
+                &self.config,
+                &self.stats,
+                cursor,
+                busy,
+                token,
+            )
+            .await?;
+            report.releases_repaired = r.repaired;
+            report.releases_unreadable = r.unreadable;
+            report.lost_lead = r.lost_lead;
         }
-        let _ = client
-            .execute("SELECT pg_advisory_unlock($1)", &[&LEADER_LOCK])
-            .await;
-        result
+        if report.lost_lead {
+            tracing::warn!(
+                "sweeper: the lease expired or was taken over mid-sweep (was this worker \
+                 frozen or cut off?); another worker leads, this sweep stopped"
+            );
+        }
+        Ok(report)
     }
 
     // Over 60 lines on purpose: one keyset-paged pass (page, close, count, pause); the cursor and the counters span the loop.
     async fn sweep(
         &self,
         client: &mut deadpool_postgres::Client,
+        lease: &mut Lease,
         busy: Option<&Busy>,
         token: &CancellationToken,
     ) -> Result<SweepReport, DbError> {
@@ -193,6 +222,10 @@ impl Sweeper {
                 }
             }
             let tx = client.transaction().await?;
+            if !lease.fence(&tx).await? {
+                report.lost_lead = true;
+                break;
+            }
             let done =
                 close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
             tx.commit().await?;
@@ -276,11 +309,15 @@ impl Sweeper {
         token: CancellationToken,
     ) {
         let mut cursor = reconciler::Cursor::default();
+        let mut lease = Lease::new(LEASE, self.config.lease);
         loop {
             let busy = health.busy(component);
-            let swept = self.sweep_once(Some(&busy), &token, &mut cursor).await;
+            let swept = self
+                .sweep_once(&mut lease, Some(&busy), &token, &mut cursor)
+                .await;
             drop(busy);
             if token.is_cancelled() {
+                self.give_up(&mut lease).await;
                 return;
             }
             match swept {
@@ -297,7 +334,10 @@ impl Sweeper {
                 }
             }
             tokio::select! {
-                _ = token.cancelled() => return,
+                _ = token.cancelled() => {
+                    self.give_up(&mut lease).await;
+                    return;
+                }
                 _ = tokio::time::sleep(self.config.interval) => {}
             }
         }

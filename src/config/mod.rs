@@ -222,6 +222,11 @@ pub struct SweeperConfig {
     /// release; the reconciler emits it again.
     #[serde(with = "humantime_serde")]
     pub release_grace: Duration,
+    /// How long the sweeper's leadership lasts unless its leader renews it (each
+    /// batch does): a frozen or cut-off leader loses the lead this long after its
+    /// last batch, and another worker sweeps instead.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -294,6 +299,7 @@ impl Default for Config {
                 pause: Duration::from_millis(20),
                 stuck_outbox_after: Duration::from_secs(60),
                 release_grace: Duration::from_secs(60),
+                lease: Duration::from_secs(15),
             },
             orders: OrdersConfig {
                 initial_stock: 1000,

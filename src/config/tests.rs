@@ -151,6 +151,8 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
     Jail::expect_with(|jail| {
         let cases = [
             ("[sweeper]\ninterval = \"0s\"", "sweeper.interval"),
+            ("[sweeper]\nlease = \"500ms\"", "sweeper.lease"),
+            ("[sweeper]\nlease = \"2days\"", "sweeper.lease"),
             ("[relay]\npoll_interval = \"0s\"", "relay.poll_interval"),
             ("[relay]\npoll_interval = \"500us\"", "relay.poll_interval"),
             ("[worker]\nlock_retry = \"0s\"", "worker.lock_retry"),

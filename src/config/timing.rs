@@ -22,6 +22,14 @@ impl Config {
         let pg_max = Duration::from_millis(i32::MAX.unsigned_abs().into());
         within("relay.poll_interval", self.relay.poll_interval, ms, None)?;
         within("sweeper.interval", self.sweeper.interval, ms, None)?;
+        // The lease is renewed once per batch: shorter than a second it would lapse
+        // between batches on a busy database; a day keeps a frozen leader leading.
+        within(
+            "sweeper.lease",
+            self.sweeper.lease,
+            Duration::from_secs(1),
+            Some(Duration::from_secs(86_400)),
+        )?;
         // Half of it is the longest a delivery is kept unacknowledged; under a second
         // that would leave no room for a hold. RabbitMQ checks it about once a minute.
         within(

@@ -13,8 +13,10 @@ use crate::config::{DatabaseConfig, Secret};
 
 refinery::embed_migrations!("migrations");
 
+mod lease;
 mod position;
 mod shards;
+pub use lease::Lease;
 pub use position::{SchemaState, check as check_position, recorded_position, schema_state};
 pub use shards::{InShard, Pools, Schemas, migrate_shards, shard_key};
 
@@ -184,9 +186,11 @@ pub fn pg_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
 /// `idle_in_transaction_session_timeout` set to `database.statement_timeout`: a
 /// database call that hangs ends with an error instead of stalling its loop, and a
 /// frozen lapse process cannot hold row locks inside an open transaction for longer.
+/// A server that vanished is noticed by TCP keepalives and a user timeout.
 pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
     let mut config = pg_config(&database.url)?;
     config.connect_timeout(std::time::Duration::from_secs(5));
+    detect_dead_peers(&mut config);
     let millis = database.statement_timeout.as_millis().max(1);
     let timeouts =
         format!("-c statement_timeout={millis} -c idle_in_transaction_session_timeout={millis}");
@@ -238,14 +242,22 @@ pub const LOGIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// runs long, or waits for another worker's migration lock, is not cut short.
 pub fn bounded_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
     let mut config = pg_config(url)?;
+    config.connect_timeout(MIGRATION_CONNECT_TIMEOUT);
+    detect_dead_peers(&mut config);
+    Ok(config)
+}
+
+/// TCP keepalives (first probe after 15 s idle, then every 5 s, 3 tries) and a 60 s
+/// user timeout (data unacknowledged that long): a server that vanished (a failover,
+/// a cut network) is noticed within about a minute, on idle and busy connections
+/// alike, instead of the system's two hours or more.
+fn detect_dead_peers(config: &mut tokio_postgres::Config) {
     config
-        .connect_timeout(MIGRATION_CONNECT_TIMEOUT)
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(15))
         .keepalives_interval(Duration::from_secs(5))
         .keepalives_retries(3)
         .tcp_user_timeout(Duration::from_secs(60));
-    Ok(config)
 }
 
 /// [`connect`] for creating, migrating or checking a database: the login, too, is bounded (a

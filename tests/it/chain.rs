@@ -353,22 +353,24 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
     };
-    // Another sweeper holds the leader lock: this one does nothing.
+    // Another sweeper holds a live lease: this one does nothing.
     let other = env.db().await;
     other
         .execute(
-            "SELECT pg_advisory_lock($1)",
-            &[&lapse::components::sweeper::LEADER_LOCK],
+            "INSERT INTO leader_leases (name, holder, epoch, expires_at)
+             VALUES ('sweeper', 'another worker', 1, clock_timestamp() + interval '1 hour')",
+            &[],
         )
         .await
         .unwrap();
     let report = sweeper.run_once().await.unwrap();
     assert!(!report.leader);
     assert_eq!(unpaid(&db).await, 30);
+    // Its lease ran out: this one leads.
     other
         .execute(
-            "SELECT pg_advisory_unlock($1)",
-            &[&lapse::components::sweeper::LEADER_LOCK],
+            "UPDATE leader_leases SET expires_at = clock_timestamp() WHERE name = 'sweeper'",
+            &[],
         )
         .await
         .unwrap();

@@ -1,0 +1,154 @@
+//! Leadership as a lease row judged by the database clock: one holder at a time, for a
+//! bounded time unless renewed.
+//!
+//! Why not a session advisory lock: a leader frozen (SIGSTOP) or cut off keeps a
+//! session lock for as long as its connection lives, which can be forever (a stopped
+//! process's kernel still answers TCP keepalives), and a pooler in transaction mode
+//! hands the lock and its unlock to different server connections.
+//!
+//! How: [`Lease::acquire`] takes the lease when it is free, expired or already ours; a
+//! new holder (or ours again after it lapsed) starts a new epoch. The holder renews it
+//! with [`Lease::fence`] inside each unit of work's transaction: the renewal succeeds
+//! only while the lease is still ours, in our epoch and unexpired, and it locks the
+//! lease row until the transaction ends, so a contender cannot take over between the
+//! check and the commit. A unit whose fence fails writes nothing and the holder stops.
+//!
+//! Bound: a holder that stops renewing loses the lease `ttl` after its last renewal;
+//! one frozen inside a unit's transaction holds the row lock until the server ends
+//! that transaction (`idle_in_transaction_session_timeout`, set to
+//! `database.statement_timeout` on lapse's pools).
+
+use std::time::Duration;
+
+use deadpool_postgres::GenericClient;
+
+use super::{DbError, column};
+
+/// How long taking over waits for the lease row's lock (a leader inside a unit's
+/// transaction holds it briefly): past that, someone is leading.
+const TAKEOVER_LOCK_TIMEOUT_MS: i64 = 2_000;
+
+/// One worker's claim on a named lease.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    name: &'static str,
+    holder: String,
+    ttl: Duration,
+    epoch: Option<i64>,
+}
+
+impl Lease {
+    /// A claim on lease `name`, under a holder name unique to this claim.
+    pub fn new(name: &'static str, ttl: Duration) -> Self {
+        Self {
+            name,
+            holder: format!(
+                "pid {} claim {:016x}",
+                std::process::id(),
+                fastrand::u64(..)
+            ),
+            ttl,
+            epoch: None,
+        }
+    }
+
+    fn ttl_ms(&self) -> i64 {
+        i64::try_from(self.ttl.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// The epoch held, if any.
+    pub fn epoch(&self) -> Option<i64> {
+        self.epoch
+    }
+
+    /// Takes the lease when it is free, expired or already ours (renewing it); returns
+    /// whether we hold it now. A live lease of another holder is not waited for.
+    pub async fn acquire(
+        &mut self,
+        client: &mut deadpool_postgres::Client,
+    ) -> Result<bool, DbError> {
+        let current = client
+            .query_opt(
+                "SELECT holder, expires_at > clock_timestamp() AS live
+                   FROM leader_leases WHERE name = $1",
+                &[&self.name],
+            )
+            .await?;
+        if let Some(row) = &current {
+            let holder: String = column(row, "holder")?;
+            if column::<bool>(row, "live")? && holder != self.holder {
+                self.epoch = None;
+                return Ok(false);
+            }
+        }
+        let tx = client.transaction().await?;
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {TAKEOVER_LOCK_TIMEOUT_MS}"
+        ))
+        .await?;
+        let taken = tx
+            .query_opt(
+                "INSERT INTO leader_leases AS l (name, holder, epoch, expires_at)
+                 VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 millisecond')
+                 ON CONFLICT (name) DO UPDATE
+                    SET holder = EXCLUDED.holder,
+                        epoch = CASE WHEN l.holder = EXCLUDED.holder
+                                      AND l.expires_at > clock_timestamp()
+                                     THEN l.epoch ELSE l.epoch + 1 END,
+                        expires_at = EXCLUDED.expires_at
+                  WHERE l.holder = EXCLUDED.holder OR l.expires_at <= clock_timestamp()
+                 RETURNING epoch",
+                &[&self.name, &self.holder, &self.ttl_ms()],
+            )
+            .await;
+        let taken = match taken {
+            Ok(row) => row,
+            // The row is locked: its holder is inside a unit of work, so it leads.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                self.epoch = None;
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        tx.commit().await?;
+        self.epoch = taken.map(|row| column(&row, "epoch")).transpose()?;
+        Ok(self.epoch.is_some())
+    }
+
+    /// Inside `tx` (one unit of the leader's work): renews the lease and locks its row
+    /// until `tx` ends. False when the lease is no longer ours in our epoch (expired,
+    /// or taken over): the caller must roll back and stop leading.
+    pub async fn fence(&mut self, tx: &impl GenericClient) -> Result<bool, DbError> {
+        let Some(epoch) = self.epoch else {
+            return Ok(false);
+        };
+        let renewed = tx
+            .query_opt(
+                "UPDATE leader_leases
+                    SET expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+                  WHERE name = $1 AND holder = $2 AND epoch = $3
+                    AND expires_at > clock_timestamp()
+                 RETURNING epoch",
+                &[&self.name, &self.holder, &epoch, &self.ttl_ms()],
+            )
+            .await?;
+        if renewed.is_none() {
+            self.epoch = None;
+        }
+        Ok(renewed.is_some())
+    }
+
+    /// Gives the lease up (on shutdown), so another worker can lead at once.
+    pub async fn release(&mut self, client: &impl GenericClient) -> Result<(), DbError> {
+        if let Some(epoch) = self.epoch.take() {
+            client
+                .execute(
+                    "UPDATE leader_leases SET expires_at = clock_timestamp()
+                      WHERE name = $1 AND holder = $2 AND epoch = $3",
+                    &[&self.name, &self.holder, &epoch],
+                )
+                .await?;
+        }
+        Ok(())
+    }
+}
