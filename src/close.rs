@@ -149,7 +149,8 @@ pub struct CloseReport {
 
 /// Closes every candidate that is still UNPAID, of the same version and due, in
 /// `tx`. Rows locked by another transaction are skipped and reported; waits for any
-/// other lock are bounded by `lock_timeout` (an error the caller retries).
+/// other lock are bounded by `lock_timeout` (an error the caller retries), and `tx`
+/// is a short transaction from here on ([`crate::db::short_transaction`]).
 ///
 /// `closed_at` is the real clock at the moment of the close (`clock_timestamp()`), not
 /// the transaction's start, so lateness is reported honestly; the guard compares with
@@ -166,14 +167,7 @@ pub async fn close_due(
     let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
     let versions: Vec<i32> = candidates.iter().map(|c| c.deadline_version).collect();
     let hops: Vec<i32> = candidates.iter().map(|c| c.hops).collect();
-    // One simple-protocol round trip; the value is a number lapse formats itself.
-    tx.batch_execute(&format!(
-        "SET LOCAL lock_timeout = {}",
-        lock_timeout
-            .as_millis()
-            .clamp(1, i32::MAX.unsigned_abs().into())
-    ))
-    .await?;
+    crate::db::short_transaction(tx, Some(lock_timeout)).await?;
     let rows = tx
         .query(CLOSE_SQL, &[&ids, &versions, &hops, &reason.as_str()])
         .await?;

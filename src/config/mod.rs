@@ -64,7 +64,7 @@ pub struct BrokerConfig {
     pub prefix: String,
     /// AMQP heartbeat of the worker's connections (whole seconds; a `heartbeat` in
     /// `url` wins). The broker takes back a frozen worker's unacknowledged deliveries
-    /// after about two missed heartbeats.
+    /// after about two and a half heartbeats (5 s by default: 12.9 s measured).
     #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
     /// How long a publish may wait for the broker's confirm before it counts as not
@@ -253,7 +253,7 @@ impl Default for Config {
                 url: Secret::new("amqp://guest:guest@127.0.0.1:5672/%2f"),
                 management_url: None,
                 prefix: "lapse".into(),
-                heartbeat: Duration::from_secs(10),
+                heartbeat: Duration::from_secs(5),
                 confirm_timeout: Duration::from_secs(15),
                 consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
                 tls: BrokerTlsConfig::default(),

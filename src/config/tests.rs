@@ -209,16 +209,16 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
 #[test]
 fn the_heartbeat_goes_into_the_workers_broker_url_unless_the_url_has_one() {
     let mut broker = Config::default().broker;
-    assert_eq!(broker.heartbeat, Duration::from_secs(10));
+    assert_eq!(broker.heartbeat, Duration::from_secs(5));
     broker.url = Secret::new("amqp://u:p%40ss@h:5672/%2f");
     assert_eq!(
         broker.url_with_heartbeat().expose(),
-        "amqp://u:p%40ss@h:5672/%2f?heartbeat=10"
+        "amqp://u:p%40ss@h:5672/%2f?heartbeat=5"
     );
     broker.url = Secret::new("amqp://u:p@h/vh?frame_max=8192");
     assert_eq!(
         broker.url_with_heartbeat().expose(),
-        "amqp://u:p@h/vh?frame_max=8192&heartbeat=10"
+        "amqp://u:p@h/vh?frame_max=8192&heartbeat=5"
     );
     broker.url = Secret::new("amqp://u:p@h/%2f?heartbeat=3");
     assert_eq!(
@@ -228,7 +228,7 @@ fn the_heartbeat_goes_into_the_workers_broker_url_unless_the_url_has_one() {
     let parsed =
         lapin::uri::AMQPUri::from_str(Config::default().broker.url_with_heartbeat().expose())
             .unwrap();
-    assert_eq!(parsed.query.heartbeat, Some(10));
+    assert_eq!(parsed.query.heartbeat, Some(5));
     assert_eq!(parsed.vhost, "/");
 }
 

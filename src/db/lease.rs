@@ -15,8 +15,7 @@
 //!
 //! Bound: a holder that stops renewing loses the lease `ttl` after its last renewal;
 //! one frozen inside a unit's transaction holds the row lock until the server ends
-//! that transaction (`idle_in_transaction_session_timeout`, set to
-//! `database.statement_timeout` on lapse's pools).
+//! that transaction ([`super::SHORT_TRANSACTION_IDLE`]).
 
 use std::time::Duration;
 
@@ -115,13 +114,15 @@ impl Lease {
         Ok(self.epoch.is_some())
     }
 
-    /// Inside `tx` (one unit of the leader's work): renews the lease and locks its row
-    /// until `tx` ends. False when the lease is no longer ours in our epoch (expired,
+    /// Inside `tx` (one unit of the leader's work): makes it a short transaction
+    /// ([`super::short_transaction`]), renews the lease and locks its row until `tx`
+    /// ends. False when the lease is no longer ours in our epoch (expired,
     /// or taken over): the caller must roll back and stop leading.
-    pub async fn fence(&mut self, tx: &impl GenericClient) -> Result<bool, DbError> {
+    pub async fn fence(&mut self, tx: &tokio_postgres::Transaction<'_>) -> Result<bool, DbError> {
         let Some(epoch) = self.epoch else {
             return Ok(false);
         };
+        super::short_transaction(tx, None).await?;
         let renewed = tx
             .query_opt(
                 "UPDATE leader_leases

@@ -215,6 +215,33 @@ pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
         .map_err(|e| DbError::Config(e.to_string()))
 }
 
+/// How long one of lapse's short transactions (a close, a stock release, a sweeper or
+/// reconciler page) may sit idle waiting for lapse's next statement before the server
+/// ends it. They hold order rows locked: a worker frozen or cut off inside one must
+/// not keep those rows from the other workers for the session-wide limit
+/// (`database.statement_timeout`), which the relay's transactions need, since they
+/// wait for the broker's confirms.
+pub const SHORT_TRANSACTION_IDLE: Duration = Duration::from_secs(5);
+
+/// Marks the transaction `tx` runs in as short ([`SHORT_TRANSACTION_IDLE`]), with waits
+/// for a lock other than a skipped row lock bounded by `lock_timeout` when given. One
+/// simple-protocol round trip; the values are numbers lapse formats itself.
+pub async fn short_transaction(
+    tx: &tokio_postgres::Transaction<'_>,
+    lock_timeout: Option<Duration>,
+) -> Result<(), DbError> {
+    let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX.unsigned_abs().into());
+    let mut sql = format!(
+        "SET LOCAL idle_in_transaction_session_timeout = {}",
+        ms(SHORT_TRANSACTION_IDLE)
+    );
+    if let Some(lock_timeout) = lock_timeout {
+        sql += &format!("; SET LOCAL lock_timeout = {}", ms(lock_timeout));
+    }
+    tx.batch_execute(&sql).await?;
+    Ok(())
+}
+
 /// The driver half of a connection made outside a pool: spawn it to drive the client.
 pub type Connection =
     tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>;

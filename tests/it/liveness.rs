@@ -140,12 +140,14 @@ async fn a_hung_database_call_fails_livez_unless_the_statement_timeout_ends_it()
 }
 
 /// Two workers; one is frozen (SIGSTOP: it keeps its connections and whatever the
-/// broker pushed to it) while a few hundred orders come due. The broker takes its
-/// deliveries back after about two missed heartbeats and the healthy worker closes
-/// them all while the frozen one is still stopped. Only the healthy worker relays, so
-/// the freeze can come right after the orders are created, however long relaying
-/// takes on a busy machine (a relay frozen mid-round would keep its outbox rows
-/// locked, which is not what this test is about).
+/// broker pushed to it) just before a few hundred orders come due, so the broker
+/// pushes its share to it while it is stopped, and it may be stopped inside a close
+/// transaction. With the default `broker.heartbeat` (5 s) the broker takes its
+/// deliveries back within about two and a half heartbeats, and a close transaction
+/// it froze in ends after `SHORT_TRANSACTION_IDLE` (5 s), so the healthy worker closes
+/// everything within the stated bound while the frozen one is still stopped (with the
+/// earlier 10 s heartbeat and 30 s idle limit: 23-30 s). Only the healthy worker
+/// relays, so a relay frozen mid-round is not what this test is about.
 #[tokio::test]
 async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_them() {
     const ORDERS: usize = 300;
@@ -182,12 +184,13 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     }];
     create_orders(&mut db, &[Duration::from_secs(7); ORDERS], &lines).await;
     let deadline = Instant::now() + Duration::from_secs(7);
+    tokio::time::sleep(Duration::from_millis(6_700)).await;
     signal(&frozen, "STOP");
     let stopped = Instant::now();
 
     // The scenario happened: the frozen worker holds part of the work. Looked at 1 s
     // after the deadline, before the broker can notice the freeze (no sooner than
-    // `broker.heartbeat`, 10 s, after it; the freeze came about 7 s before the deadline).
+    // `broker.heartbeat`, 5 s, after it).
     tokio::time::sleep(
         (deadline + Duration::from_secs(1)).saturating_duration_since(Instant::now()),
     )
@@ -198,9 +201,10 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
         "the frozen worker was given a share of the deliveries"
     );
 
-    let bound = Duration::from_secs(40);
+    // docs/reliability.md: about 2.5 heartbeats; generous for a loaded machine.
+    let bound = Duration::from_secs(20);
     eventually(
-        deadline + bound - Instant::now(),
+        (stopped + bound).saturating_duration_since(Instant::now()),
         "every order closed while one worker is frozen",
         || async {
             (count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await
@@ -210,13 +214,10 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     )
     .await;
     let frozen_for = stopped.elapsed();
-    assert!(
-        Instant::now() < deadline + bound,
-        "closed within {bound:?} of the deadlines"
-    );
+    assert!(frozen_for < bound, "closed within {bound:?} of the freeze");
 
     // Keep it frozen past the bound, then let it go: nothing happens twice.
-    tokio::time::sleep((deadline + bound).saturating_duration_since(Instant::now())).await;
+    tokio::time::sleep((stopped + bound).saturating_duration_since(Instant::now())).await;
     signal(&frozen, "CONT");
     wait_released(&db, ORDERS as i64).await;
     assert_never_early(&db).await;

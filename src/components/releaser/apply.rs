@@ -82,6 +82,7 @@ impl Releaser {
         let pool = self.pools.ready(shard)?;
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
+        crate::db::short_transaction(&tx, None).await?;
         // Order rows first, without waiting for one another transaction holds; in the
         // same statement the CLOSED orders it could not lock (CLOSED is final, so
         // those are held by someone else).
