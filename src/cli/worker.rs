@@ -187,8 +187,11 @@ async fn check_database(config: &Config) -> anyhow::Result<()> {
     futures_util::future::join_all(checks)
         .await
         .into_iter()
-        .collect::<anyhow::Result<Vec<()>>>()
-        .map(|_| ())
+        .collect::<anyhow::Result<Vec<()>>>()?;
+    // The list as a whole: another deployment's list under the same prefix is refused.
+    db::check_shard_list(&config.database, &config.broker.prefix)
+        .await
+        .map_err(|(shard, e)| in_shard(config, shard, e))
 }
 
 /// `error` naming `database.shards[i]` when there are several order databases (with

@@ -17,8 +17,10 @@ mod lease;
 mod position;
 mod shards;
 pub use lease::Lease;
-pub use position::{SchemaState, check as check_position, recorded_position, schema_state};
-pub use shards::{InShard, Pools, Schemas, migrate_shards, shard_key};
+pub use position::{
+    SchemaState, check as check_position, check_list, recorded_position, schema_state,
+};
+pub use shards::{InShard, Pools, Schemas, check_shard_list, migrate_shards, shard_key};
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
 pub const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
@@ -71,6 +73,13 @@ pub enum DbError {
         if moved.len() == 1 { "it was" } else { "they were" }
     )]
     ListMoved { moved: Vec<u16> },
+    /// A database that was migrated, for the same `broker.prefix`, in another list of
+    /// order databases: two deployments sharing the prefix (and so the due queue)
+    /// would judge each other's timeouts in the wrong database.
+    #[error(
+        "this database was migrated for broker.prefix {prefix:?} in another list of order databases: there, database.shards[{position}] is another database than in this configuration. Deployments that share a prefix share its due queue, so a timeout of one would be judged in the other's database: give each deployment its own broker.prefix, or the same database.shards list (docs/scaling.md, \"Changing the number of shards\")"
+    )]
+    OtherList { prefix: String, position: usize },
 }
 
 /// Turns an exception raised by lapse's SQL functions into a typed error: LP001 into
@@ -107,7 +116,10 @@ impl DbError {
     /// True when the list of order databases was reordered ([`DbError::ShardMoved`],
     /// [`DbError::ListMoved`]): a configuration error.
     pub fn is_reordered_list(&self) -> bool {
-        matches!(self, DbError::ShardMoved { .. } | DbError::ListMoved { .. })
+        matches!(
+            self,
+            DbError::ShardMoved { .. } | DbError::ListMoved { .. } | DbError::OtherList { .. }
+        )
     }
 
     /// True when retrying the same work later may succeed: the connection or the
@@ -339,16 +351,19 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
 
 /// What the SQL functions enforce on their own (the one row of `lapse_settings`),
 /// written by [`migrate_with_settings`] from the configuration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
     /// How far ahead a deadline may be (`orders.deadline_horizon`).
     pub deadline_horizon: Duration,
+    /// `broker.prefix`: the list of order databases is recorded per prefix.
+    pub prefix: String,
 }
 
 impl Settings {
     pub fn from_config(config: &crate::config::Config) -> Self {
         Self {
             deadline_horizon: config.orders.deadline_horizon,
+            prefix: config.broker.prefix.clone(),
         }
     }
 }
@@ -379,7 +394,15 @@ pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
 /// Applies pending migrations to the one order database (`database.url`, shard 0),
 /// then writes `settings` and checks its position (see [`migrate_shard`]).
 pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<usize, DbError> {
-    migrate_shard(url, settings, 0).await
+    let applied = migrate_shard(url, settings, 0).await?;
+    let lone = [crate::config::Shard {
+        index: 0,
+        url: url.clone(),
+    }];
+    shards::bind_list(&lone, &settings.prefix, true)
+        .await
+        .map_err(|(_, e)| e)?;
+    Ok(applied)
 }
 
 /// Applies pending migrations to the order database at `position` of the list, then

@@ -104,9 +104,179 @@ pub fn check(recorded: Option<i32>, position: u16) -> Result<(), DbError> {
     }
 }
 
+/// What one database says of the list of order databases it belongs to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Its identity; `None` before this version's migrations.
+    pub id: Option<String>,
+    /// The identities of the list it was migrated in, for one prefix; `None` when none
+    /// is recorded.
+    pub list: Option<Vec<String>>,
+}
+
+/// Reads `prefix`'s membership on `client`, changing nothing (through `to_jsonb`: the
+/// columns do not exist before this version's migrations).
+pub async fn membership<C: tokio_postgres::GenericClient>(
+    client: &C,
+    prefix: &str,
+) -> Result<Membership, DbError> {
+    let row = client
+        .query_opt(
+            "SELECT to_jsonb(s) ->> 'database_id' AS id,
+                    to_jsonb(s) -> 'shard_lists' -> $1 AS list
+               FROM lapse_settings s",
+            &[&prefix],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(Membership::default());
+    };
+    let list: Option<serde_json::Value> = column(&row, "list")?;
+    let list = match list {
+        None => None,
+        Some(value) => Some(serde_json::from_value(value).map_err(|e| {
+            DbError::Unreadable(format!("lapse_settings.shard_lists for {prefix:?}: {e}"))
+        })?),
+    };
+    Ok(Membership {
+        id: column(&row, "id")?,
+        list,
+    })
+}
+
+/// Checks the configured list (each entry's identity, `None` where unknown: a database
+/// that did not answer or is not migrated yet) against the list each entry recorded:
+/// at every position both know, they must name the same database. A recorded list
+/// may be shorter (the list grew at its end) or longer (this configuration names only
+/// its beginning). Returns the first disagreement as `(shard, position)`.
+pub fn check_list(
+    configured: &[Option<String>],
+    recorded: &[Option<Vec<String>>],
+) -> Result<(), (usize, usize)> {
+    for (shard, list) in recorded.iter().enumerate() {
+        let Some(list) = list else { continue };
+        for (position, (theirs, ours)) in list.iter().zip(configured).enumerate() {
+            if ours.as_ref().is_some_and(|ours| ours != theirs) {
+                return Err((shard, position));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The list to record in a database: the configured one, unless the database recorded
+/// a longer one that agrees with it (this configuration names only its beginning).
+pub fn list_to_record(configured: &[String], recorded: Option<&Vec<String>>) -> Vec<String> {
+    match recorded {
+        Some(recorded) if recorded.len() > configured.len() => recorded.clone(),
+        _ => configured.to_vec(),
+    }
+}
+
+/// `prefix`'s membership as the database at `url` records it (read-only, connect and
+/// login bounded, the question bounded by the login timeout).
+pub async fn read_membership(url: &Secret, prefix: &str) -> Result<Membership, DbError> {
+    let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
+    let driver = tokio::spawn(connection);
+    let answer = tokio::time::timeout(LOGIN_TIMEOUT, async {
+        let state = schema_state(&client).await?;
+        if !state.schema {
+            return Ok(Membership::default());
+        }
+        membership(&client, prefix).await
+    })
+    .await
+    .unwrap_or(Err(DbError::NoAnswer {
+        step: "answer which list of databases it belongs to",
+        after: LOGIN_TIMEOUT,
+    }));
+    drop(client);
+    if answer.is_ok() {
+        let _ = driver.await;
+    } else {
+        driver.abort();
+    }
+    answer
+}
+
+/// [`record_list`] on the database at `url`.
+pub async fn record_list_at(url: &Secret, prefix: &str, list: &[String]) -> Result<(), DbError> {
+    let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
+    let driver = tokio::spawn(connection);
+    let done = tokio::time::timeout(LOGIN_TIMEOUT, record_list(&client, prefix, list))
+        .await
+        .unwrap_or(Err(DbError::NoAnswer {
+            step: "record its list of databases",
+            after: LOGIN_TIMEOUT,
+        }));
+    drop(client);
+    if done.is_ok() {
+        let _ = driver.await;
+    } else {
+        driver.abort();
+    }
+    done
+}
+
+/// Records `list` as `prefix`'s list in the database `client` is connected to.
+pub async fn record_list<C: tokio_postgres::GenericClient>(
+    client: &C,
+    prefix: &str,
+    list: &[String],
+) -> Result<(), DbError> {
+    let value = serde_json::to_value(list).expect("a list of strings serialises");
+    client
+        .execute(
+            "UPDATE lapse_settings SET shard_lists = jsonb_set(shard_lists, ARRAY[$1::text], $2::jsonb)",
+            &[&prefix, &value],
+        )
+        .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_list_that_disagrees_at_a_known_position_is_refused() {
+        let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let some = |v: &[&str]| v.iter().map(|s| Some(s.to_string())).collect::<Vec<_>>();
+        // Nothing recorded, or the same list: fine.
+        assert_eq!(check_list(&some(&["x", "y"]), &[None, None]), Ok(()));
+        let xy = Some(ids(&["x", "y"]));
+        assert_eq!(
+            check_list(&some(&["x", "y"]), &[xy.clone(), xy.clone()]),
+            Ok(())
+        );
+        // Grown at its end, or only its beginning configured: fine.
+        assert_eq!(
+            check_list(&some(&["x", "y", "w"]), &[xy.clone(), xy.clone(), None]),
+            Ok(())
+        );
+        assert_eq!(check_list(&some(&["x"]), std::slice::from_ref(&xy)), Ok(()));
+        // Another deployment's list [x, z] where x recorded [x, y]: shard 0, position 1.
+        assert_eq!(
+            check_list(&some(&["x", "z"]), &[xy.clone(), None]),
+            Err((0, 1))
+        );
+        // An unknown entry is not judged.
+        assert_eq!(
+            check_list(&[Some("x".into()), None], &[xy.clone(), None]),
+            Ok(())
+        );
+        // Reordered.
+        assert_eq!(
+            check_list(&some(&["y", "x"]), &[xy.clone(), xy.clone()]),
+            Err((0, 0))
+        );
+        assert_eq!(list_to_record(&ids(&["x"]), xy.as_ref()), ids(&["x", "y"]));
+        assert_eq!(
+            list_to_record(&ids(&["x", "y", "w"]), xy.as_ref()),
+            ids(&["x", "y", "w"])
+        );
+        assert_eq!(list_to_record(&ids(&["x"]), None), ids(&["x"]));
+    }
 
     #[test]
     fn only_a_different_recorded_position_is_refused() {

@@ -181,8 +181,68 @@ pub async fn migrate_shards(
                 _ => super::migrate_shard(&shard.url, settings, shard.index).await,
             }
         });
-    let results = futures_util::future::join_all(runs).await;
+    let mut results = futures_util::future::join_all(runs).await;
+    if results.iter().all(Result::is_ok)
+        && let Err((shard, e)) = bind_list(&shards, &settings.prefix, true).await
+    {
+        results[shard] = Err(e);
+    }
     shards.into_iter().zip(results).collect()
+}
+
+/// Checks the list of order databases against the list each of them recorded for
+/// `prefix` (see [`super::check_list`]); read-only. A database that does not answer is
+/// left out of the check (the position checks and migrations meet it later). What a
+/// starting worker runs.
+/// The error names the shard (its `database.shards` index) whose record disagrees.
+pub async fn check_shard_list(
+    database: &DatabaseConfig,
+    prefix: &str,
+) -> Result<(), (u16, DbError)> {
+    let shards = database.shard_list();
+    bind_list(&shards, prefix, false)
+        .await
+        .map_err(|(shard, e)| (shards[shard].index, e))
+}
+
+/// Reads every shard's membership and checks the list; with `record`, and when every
+/// shard answered with its identity, records the list in each. The error names the
+/// entry (its index in `shards`) whose record disagrees, or that failed to record.
+pub(super) async fn bind_list(
+    shards: &[Shard],
+    prefix: &str,
+    record: bool,
+) -> Result<(), (usize, DbError)> {
+    let asked = shards
+        .iter()
+        .map(|shard| super::position::read_membership(&shard.url, prefix));
+    let answers = futures_util::future::join_all(asked).await;
+    let known: Vec<super::position::Membership> =
+        answers.into_iter().map(|a| a.unwrap_or_default()).collect();
+    let configured: Vec<Option<String>> = known.iter().map(|m| m.id.clone()).collect();
+    let recorded: Vec<Option<Vec<String>>> = known.iter().map(|m| m.list.clone()).collect();
+    super::check_list(&configured, &recorded).map_err(|(shard, position)| {
+        (
+            shard,
+            DbError::OtherList {
+                prefix: prefix.to_string(),
+                position,
+            },
+        )
+    })?;
+    if !record {
+        return Ok(());
+    }
+    let Some(ids) = configured.into_iter().collect::<Option<Vec<String>>>() else {
+        return Ok(()); // not every database answered: recorded at a later migration
+    };
+    for (i, (shard, membership)) in shards.iter().zip(&known).enumerate() {
+        let list = super::position::list_to_record(&ids, membership.list.as_ref());
+        super::position::record_list_at(&shard.url, prefix, &list)
+            .await
+            .map_err(|e| (i, e))?;
+    }
+    Ok(())
 }
 
 /// The configuration key of shard `index`: what an error names (the URL is a secret).

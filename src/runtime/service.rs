@@ -267,8 +267,16 @@ impl Starter<'_> {
         for shard in pending {
             let name = leak(config.database.per_shard("migrate", shard.index));
             let schemas = self.schemas.clone();
+            let settings = settings.clone();
             self.add(name, move |_, h, t| {
-                migrations::migrate_later(shard.clone(), settings, schemas.clone(), name, h, t)
+                migrations::migrate_later(
+                    shard.clone(),
+                    settings.clone(),
+                    schemas.clone(),
+                    name,
+                    h,
+                    t,
+                )
             });
         }
     }

@@ -137,6 +137,7 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
         &db,
         &lapse::db::Settings {
             deadline_horizon: Duration::from_secs(86_400),
+            prefix: "lapse".into(),
         },
     )
     .await

@@ -103,3 +103,58 @@ async fn a_reordered_shard_list_is_refused_naming_the_shard() {
     drop(dbs);
     env.cleanup().await;
 }
+
+/// Two deployments with the same prefix share its due queue. Lists that agree at every
+/// position (one a beginning of the other) are the same deployment; lists that share a
+/// database but differ elsewhere ([x, y] and [x, z]) pass every position check, yet a
+/// timeout of the first one's shard 1 taken by the second would be judged in z. The
+/// second list is refused, by `lapse migrate` and by a worker's start, naming the
+/// shard; another prefix may use it.
+#[tokio::test]
+async fn another_list_under_the_same_prefix_is_refused() {
+    let env = TestEnv::new(&["1s"]).await;
+    let dbs = Databases::new(&["l0", "l1", "l2", "l3"]);
+    let urls = dbs.urls();
+    let (x, y, z, w) = (&urls[0], &urls[1], &urls[2], &urls[3]);
+
+    let (code, text) = migrate(&env, &shards(&[x, y]));
+    assert_eq!(code, Some(0), "{text}");
+
+    let (code, text) = migrate(&env, &shards(&[x, z]));
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.contains("database.shards[0]"),
+        "names the shard: {text}"
+    );
+    assert!(text.contains("another list of order databases"), "{text}");
+    assert!(
+        text.contains("database.shards[1] is another database"),
+        "names the position: {text}"
+    );
+
+    // A worker with that list does not start either (without migrating: the list
+    // was refused above, so z holds lapse's schema but no record of x's list).
+    let child = spawn_worker(&env, &[("LAPSE_WORKER__MIGRATE_ON_START", "false")]);
+    let (code, text) = exit_of(child).await;
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("another list of order databases"), "{text}");
+
+    // The same databases under another prefix: another deployment, another queue.
+    env.write_config(&shards(&[x, z]));
+    let config = env.config_path();
+    let other = format!("{}-b", env.prefix);
+    let out = crate::helpers::run_lapse(
+        &["--config", config.to_str().unwrap(), "migrate"],
+        &[("LAPSE_BROKER__PREFIX", &other)],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+
+    // Growing the first list at its end, or naming only its beginning: fine.
+    let (code, text) = migrate(&env, &shards(&[x, y, w]));
+    assert_eq!(code, Some(0), "{text}");
+    let (code, text) = migrate(&env, &format!("[database]\nurl = {x:?}\n"));
+    assert_eq!(code, Some(0), "{text}");
+
+    drop(dbs);
+    env.cleanup().await;
+}
