@@ -89,6 +89,24 @@ async fn apply_twice_gives_an_identical_broker_with_the_spec_arguments() {
     env.cleanup().await;
 }
 
+/// Waits until the management API reports counts for every queue in `queues`: prune
+/// keeps a queue without statistics (unknown is not empty), and a queue declared a
+/// moment ago has none yet.
+async fn stats_reported(env: &TestEnv, queues: &[String]) {
+    crate::helpers::eventually(
+        Duration::from_secs(30),
+        "the management API's statistics of the orphans",
+        || async {
+            for name in queues {
+                let q = env.management.queue("/", name).await.ok()??;
+                q.messages.and(q.messages_unacknowledged).and(q.consumers)?;
+            }
+            Some(())
+        },
+    )
+    .await;
+}
+
 async fn publish_to_tier(publisher: &Publisher, env: &TestEnv, tier: &str, body: &str) -> Instant {
     let sent = Instant::now();
     publisher
@@ -376,6 +394,7 @@ async fn prune_deletes_empty_orphans_and_keeps_those_holding_messages() {
         "apply alone never deletes"
     );
 
+    stats_reported(&env, &[q("30m"), q("1h")]).await;
     let pruned = env.lapse(&["topology", "apply", "--prune"]);
     let out = stdout(&pruned);
     assert!(
@@ -476,6 +495,7 @@ async fn prune_never_deletes_a_neighbours_queues_or_a_queue_in_use() {
         .unwrap();
 
     env.write_tiers(&["1s"], "");
+    stats_reported(&env, &[q("30m"), q("1h")]).await;
     let pruned = env.lapse(&["topology", "apply", "--prune"]);
     let out = stdout(&pruned);
     assert!(

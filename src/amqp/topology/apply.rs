@@ -322,6 +322,84 @@ fn busy(messages: u64, unacknowledged: u64, consumers: u64) -> Option<String> {
     (!why.is_empty()).then(|| why.join(", "))
 }
 
+/// The management API's counts of a candidate: `Err` (messages, why) unless they show
+/// no message of any kind and no consumer. A queue the statistics database has not
+/// reported on yet has no counts: unknown is not empty.
+fn unused_in_stats(
+    messages: Option<u64>,
+    unacknowledged: Option<u64>,
+    consumers: Option<u64>,
+) -> Result<(), (u64, String)> {
+    let (Some(m), Some(u), Some(c)) = (messages, unacknowledged, consumers) else {
+        let why = "the management API has no statistics for it yet; run prune again later";
+        return Err((messages.unwrap_or(0), why.into()));
+    };
+    match busy(m, u, c) {
+        Some(why) => Err((m, why)),
+        None => Ok(()),
+    }
+}
+
+/// A queue's binding to an exchange.
+struct Binding<'a> {
+    queue: &'a str,
+    exchange: &'a str,
+    routing_key: String,
+}
+
+/// After the unbind: a passive declare, answered by the queue itself, must show no
+/// ready message and no consumer; then the queue is deleted (`if-empty` where the
+/// queue type supports it). `Some` (messages, why) when it is in use.
+async fn delete_if_unused(
+    channel: &lapin::Channel,
+    name: &str,
+    quorum: bool,
+) -> Result<Option<(u64, String)>, Box<dyn std::error::Error + Send + Sync>> {
+    let asked = broker::passive_declare(channel, name);
+    let now = broker::within(REPLY_TIMEOUT, "queue.declare", asked)
+        .await?
+        .existing(name)?;
+    if let Some(why) = busy(u64::from(now.messages), 0, u64::from(now.consumers)) {
+        return Ok(Some((u64::from(now.messages), why)));
+    }
+    let options = QueueDeleteOptions {
+        if_empty: !quorum,
+        ..QueueDeleteOptions::default()
+    };
+    let delete = channel.queue_delete(name.into(), options);
+    replied("queue.delete", delete).await??;
+    Ok(None)
+}
+
+/// Binds `binding` again on a fresh channel and reports the queue as kept for `why`;
+/// says so when the bind fails too (the queue is then left unbound: nothing of this
+/// prefix routes to an orphan tier any more, and a later prune looks at it again).
+async fn rebound(conn: &Connection, binding: &Binding<'_>, messages: u64, why: String) -> Kept {
+    let bound = async {
+        let channel = open(conn).await?;
+        let bind = channel.queue_bind(
+            binding.queue.into(),
+            binding.exchange.into(),
+            binding.routing_key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        );
+        let result = replied("queue.bind", bind).await;
+        close(&channel).await;
+        result?.map_err(BrokerError::amqp("queue.bind"))
+    }
+    .await;
+    let why = match bound {
+        Ok(()) => why,
+        Err(e) => format!("{why}; binding it again failed too ({e}): it is left unbound"),
+    };
+    Kept {
+        queue: binding.queue.to_string(),
+        messages,
+        why,
+    }
+}
+
 /// Deletes wait queues of this prefix that the topology no longer has, if empty.
 ///
 /// A candidate must parse as one of lapse's tier queues ([`orphan_tier`]). Then:
@@ -331,8 +409,12 @@ fn busy(messages: u64, unacknowledged: u64, consumers: u64) -> Option<String> {
 ///    to the alternate exchange (parked) instead of into the queue;
 /// 3. a passive declare, answered by the queue itself after the unbind, must show
 ///    no ready message and no consumer; then the queue is deleted (with `if-empty`
-///    where the queue type supports it, i.e. not quorum). Otherwise it is bound
-///    again and kept.
+///    where the queue type supports it, i.e. not quorum). Otherwise, or when that
+///    check or the delete fails, it is bound again and kept, and the other
+///    candidates are still looked at.
+///
+/// A queue without statistics in the management API yet (its counts absent) is kept:
+/// unknown is not empty.
 ///
 /// What remains: a consumer that attaches between step 3 and the delete, on a wait
 /// queue no deployment of this prefix routes to any more. Lapse never consumes from
@@ -354,58 +436,42 @@ pub async fn prune(
         if topology.queue(&q.name).is_some() {
             continue;
         }
-        let seen = busy(
-            q.messages.unwrap_or(0),
-            q.messages_unacknowledged.unwrap_or(0),
-            q.consumers.unwrap_or(0),
-        );
-        if let Some(why) = seen {
+        if let Err((messages, why)) =
+            unused_in_stats(q.messages, q.messages_unacknowledged, q.consumers)
+        {
             report.kept.push(Kept {
                 queue: q.name.clone(),
-                messages: q.messages.unwrap_or(0),
+                messages,
                 why,
             });
             continue;
         }
         let quorum = q.arguments.get("x-queue-type").and_then(|v| v.as_str()) == Some("quorum");
+        let binding = Binding {
+            queue: q.name.as_str(),
+            exchange: delay.as_str(),
+            routing_key: tier.name(),
+        };
         let channel = open(conn).await?;
-        let name = q.name.as_str();
-        let routing_key = tier.name();
         let unbind = channel.queue_unbind(
-            name.into(),
-            delay.as_str().into(),
-            routing_key.as_str().into(),
+            binding.queue.into(),
+            binding.exchange.into(),
+            binding.routing_key.as_str().into(),
             FieldTable::default(),
         );
         replied("queue.unbind", unbind).await??;
-        let asked = broker::passive_declare(&channel, name);
-        let now = broker::within(REPLY_TIMEOUT, "queue.declare", asked)
-            .await?
-            .existing(name)?;
-        match busy(u64::from(now.messages), 0, u64::from(now.consumers)) {
-            None => {
-                let options = QueueDeleteOptions {
-                    if_empty: !quorum,
-                    ..QueueDeleteOptions::default()
-                };
-                let delete = channel.queue_delete(name.into(), options);
-                replied("queue.delete", delete).await??;
-                report.deleted.push(q.name.clone());
+        // Whatever goes wrong from here, the queue is bound again (on a fresh channel:
+        // an error closes this one) and kept; the other orphans are still looked at.
+        match delete_if_unused(&channel, binding.queue, quorum).await {
+            Ok(None) => report.deleted.push(q.name.clone()),
+            Ok(Some((messages, why))) => {
+                report
+                    .kept
+                    .push(rebound(conn, &binding, messages, why).await);
             }
-            Some(why) => {
-                let bind = channel.queue_bind(
-                    name.into(),
-                    delay.as_str().into(),
-                    routing_key.as_str().into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                );
-                replied("queue.bind", bind).await??;
-                report.kept.push(Kept {
-                    queue: q.name.clone(),
-                    messages: u64::from(now.messages),
-                    why,
-                });
+            Err(e) => {
+                let why = format!("the check after unbinding failed ({e})");
+                report.kept.push(rebound(conn, &binding, 0, why).await);
             }
         }
         close(&channel).await;
@@ -416,6 +482,23 @@ pub async fn prune(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_orphan_is_unused_only_when_every_count_is_known_and_zero() {
+        assert_eq!(unused_in_stats(Some(0), Some(0), Some(0)), Ok(()));
+        let (n, why) = unused_in_stats(Some(0), Some(3), Some(0)).unwrap_err();
+        assert_eq!((n, why.as_str()), (0, "3 unacknowledged"));
+        let (_, why) = unused_in_stats(Some(2), Some(0), Some(1)).unwrap_err();
+        assert_eq!(why, "2 messages, 1 consumers");
+        for absent in [
+            (None, Some(0), Some(0)),
+            (Some(0), None, Some(0)),
+            (Some(0), Some(0), None),
+        ] {
+            let (_, why) = unused_in_stats(absent.0, absent.1, absent.2).unwrap_err();
+            assert!(why.contains("no statistics"), "{why}");
+        }
+    }
 
     #[test]
     fn parses_the_brokers_406_text() {
