@@ -167,3 +167,97 @@ async fn a_refused_payment_is_recorded_once_per_order_even_after_its_refund() {
     );
     env.cleanup().await;
 }
+
+/// lapse's migrations, to build the schema of an earlier version.
+mod embedded {
+    refinery::embed_migrations!("migrations");
+}
+
+/// A database that version 8 let collect repeated refund records (a PENDING one after
+/// a processed one; two processed ones) is upgraded: the PENDING repeat goes, the
+/// processed history stays (flagged), the single PENDING record stays, and from then
+/// on a second record of any order is refused.
+#[tokio::test]
+async fn upgrading_keeps_one_refund_per_order_over_the_repeats_recorded_before() {
+    let mut env = TestEnv::new(&["1s"]).await;
+    env.database = Some(env.prefix.clone());
+    let url = env.database_url();
+    lapse::db::ensure_database(&lapse::config::Secret::new(url.clone()))
+        .await
+        .unwrap();
+    let mut db = env.db().await;
+    embedded::migrations::runner()
+        .set_target(refinery::Target::Version(8))
+        .run_async(&mut db)
+        .await
+        .unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id: i64 = db
+            .query_one(
+                "SELECT lapse_create_order(now() + interval '1 hour') AS id",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get("id");
+        ids.push(id);
+    }
+    let (repeated, history, single) = (ids[0], ids[1], ids[2]);
+    for (order, refund) in [
+        (repeated, "REFUNDED"),
+        (repeated, "PENDING"),
+        (history, "REFUNDED"),
+        (history, "REFUNDED"),
+        (single, "PENDING"),
+    ] {
+        db.execute(
+            "INSERT INTO late_payments (order_id, refund) VALUES ($1, $2)",
+            &[&order, &refund],
+        )
+        .await
+        .unwrap();
+    }
+
+    lapse::db::migrate(&lapse::config::Secret::new(url))
+        .await
+        .unwrap();
+    let rows = |order: i64| {
+        let db = &db;
+        async move {
+            db.query(
+                "SELECT refund, repeat_of_history FROM late_payments WHERE order_id = $1 ORDER BY id",
+                &[&order],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, bool>(1)))
+            .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(rows(repeated).await, [("REFUNDED".to_string(), false)]);
+    assert_eq!(
+        rows(history).await,
+        [
+            ("REFUNDED".to_string(), false),
+            ("REFUNDED".to_string(), true)
+        ]
+    );
+    assert_eq!(rows(single).await, [("PENDING".to_string(), false)]);
+    for order in [repeated, history, single] {
+        let again = db
+            .execute(
+                "INSERT INTO late_payments (order_id, refund) VALUES ($1, 'PENDING')",
+                &[&order],
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            again.code(),
+            Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION),
+            "order {order}: {again}"
+        );
+    }
+    env.cleanup().await;
+}
