@@ -107,6 +107,12 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
             }),
         );
     }
+    if let Some(warning) = config.broker.consumer_timeout_margin_short(
+        config.database.statement_timeout,
+        crate::amqp::batch::ACK_TIMEOUT,
+    ) {
+        tracing::warn!("{warning}");
+    }
     tracing::info!(prefix = %config.broker.prefix, "worker running; SIGINT or SIGTERM stops it");
     let stopped = service.wait().await;
     let summary: Vec<String> = stats

@@ -15,8 +15,10 @@
 //! Leadership: each batch's (and each reconciler page's) transaction renews the lease
 //! first and writes nothing when it is no longer ours; the sweep then stops. A leader
 //! that freezes or is cut off loses the lead `sweeper.lease` after its last batch
-//! (`database.statement_timeout` when it froze inside one), and another worker takes
-//! over at its next sweep. The lease is given up on shutdown.
+//! (the short-transaction idle limit, 5 s, when it froze inside one), and another
+//! worker takes over at its next sweep. A leader that is merely slow (a paced batch)
+//! keeps the lead unless another worker took it over meanwhile. The lease is given up
+//! on shutdown.
 
 use std::time::Duration;
 
@@ -37,6 +39,9 @@ use crate::runtime::rate::RateLimiter;
 
 /// The name of the sweeper's lease (one per order database).
 pub const LEASE: &str = "sweeper";
+
+/// How long giving the lease up on shutdown may take.
+const GIVE_UP_WITHIN: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct Sweeper {
@@ -132,10 +137,19 @@ impl Sweeper {
         if lease.epoch().is_none() {
             return;
         }
-        let released = match self.pool.get().await {
-            Ok(client) => lease.release(&client).await,
-            Err(e) => Err(e.into()),
+        // Bounded: a database that is away must not eat the shutdown's drain time.
+        let release = async {
+            match self.pool.get().await {
+                Ok(client) => lease.release(&client).await,
+                Err(e) => Err(e.into()),
+            }
         };
+        let released = tokio::time::timeout(GIVE_UP_WITHIN, release)
+            .await
+            .unwrap_or(Err(DbError::NoAnswer {
+                step: "take the lease back",
+                after: GIVE_UP_WITHIN,
+            }));
         if let Err(e) = released {
             tracing::debug!(error = %e, "sweeper: could not give the lease up; it expires");
         }

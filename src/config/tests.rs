@@ -181,8 +181,12 @@ fn intervals_that_would_spin_or_switch_a_protection_off_are_refused() {
                 "broker.consumer_timeout",
             ),
             (
-                "[broker]\nconsumer_timeout = \"10m\"\n[worker]\nlock_retry = \"6m\"",
+                "[broker]\nconsumer_timeout = \"10m\"\n[worker]\nlock_retry = \"3m\"",
                 "worker.lock_retry",
+            ),
+            (
+                "[broker]\nconsumer_timeout = \"10m\"\n[worker]\ncloses_per_second = 5",
+                "worker.prefetch",
             ),
             ("[broker]\nheartbeat = \"0s\"", "broker.heartbeat"),
             ("[broker]\nheartbeat = \"500ms\"", "broker.heartbeat"),

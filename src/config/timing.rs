@@ -40,18 +40,39 @@ impl Config {
         )?;
         // A locked order's delivery is held this long at a time; past the hold limit
         // (half the broker's consumer timeout) it is replaced by a fresh copy.
-        let lock_retry_max = self.broker.hold_limit().min(MAX_LOCK_RETRY);
+        let lock_retry_max = (self.broker.hold_limit() / 2).min(MAX_LOCK_RETRY);
         if self.worker.lock_retry > lock_retry_max {
             return Err(ConfigError::new(
                 "worker.lock_retry",
                 format!(
-                    "must be at most {} (10 min, and half of broker.consumer_timeout: a \
-                     delivery is never kept unacknowledged longer)",
+                    "must be at most {} (10 min, and a quarter of broker.consumer_timeout: a \
+                     delivery is kept unacknowledged at most half of it, so a locked row is \
+                     looked at twice before its delivery is renewed)",
                     humantime::format_duration(lock_retry_max)
                 ),
             ));
         }
         within("worker.lock_retry", self.worker.lock_retry, ms, None)?;
+        // Rate-limited, a full prefetch waits in the client's buffer before it is even
+        // read: that wait counts towards the broker's consumer timeout too.
+        if self.worker.closes_per_second > 0 {
+            let drain = Duration::from_secs_f64(
+                f64::from(self.worker.prefetch) / f64::from(self.worker.closes_per_second),
+            );
+            if drain > self.broker.hold_limit() / 2 {
+                return Err(ConfigError::new(
+                    "worker.prefetch",
+                    format!(
+                        "is {} at worker.closes_per_second = {}: the last of a full prefetch \
+                         waits {} to be read, more than a quarter of broker.consumer_timeout; \
+                         lower the prefetch",
+                        self.worker.prefetch,
+                        self.worker.closes_per_second,
+                        humantime::format_duration(Duration::from_secs(drain.as_secs()))
+                    ),
+                ));
+            }
+        }
         within("worker.stall_limit", self.worker.stall_limit, ms, None)?;
         // A batch's first delivery waits unacknowledged for the whole window: past
         // seconds it would only add lateness (or hold stock) and near the broker's
@@ -104,6 +125,27 @@ impl BrokerConfig {
     /// consumer timeout, leaving the other half for the batch that decides it.
     pub fn hold_limit(&self) -> Duration {
         self.consumer_timeout / 2
+    }
+
+    /// Why the other half of the consumer timeout may not cover the work of a batch
+    /// (`None` when it does): a batch's database calls, publishes and acknowledgement
+    /// are each bounded by a timeout, and their sum should fit in it.
+    pub fn consumer_timeout_margin_short(
+        &self,
+        statement_timeout: Duration,
+        ack_timeout: Duration,
+    ) -> Option<String> {
+        let work = statement_timeout + self.confirm_timeout + ack_timeout;
+        (self.consumer_timeout - self.hold_limit() < work).then(|| {
+            format!(
+                "broker.consumer_timeout is {}: half of it is shorter than one batch may take \
+                 at worst ({} = database.statement_timeout + broker.confirm_timeout + the \
+                 acknowledgement's bound); a batch that slow makes the broker close the \
+                 channel, and its deliveries return with their delivery count raised",
+                humantime::format_duration(self.consumer_timeout),
+                humantime::format_duration(work)
+            )
+        })
     }
 
     /// A `heartbeat` in the URL wins over `broker.heartbeat`, so it is held to the same

@@ -25,7 +25,7 @@ use super::{DbError, column};
 
 /// How long taking over waits for the lease row's lock (a leader inside a unit's
 /// transaction holds it briefly): past that, someone is leading.
-const TAKEOVER_LOCK_TIMEOUT_MS: i64 = 2_000;
+const TAKEOVER_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One worker's claim on a named lease.
 #[derive(Clone, Debug)]
@@ -81,10 +81,7 @@ impl Lease {
             }
         }
         let tx = client.transaction().await?;
-        tx.batch_execute(&format!(
-            "SET LOCAL lock_timeout = {TAKEOVER_LOCK_TIMEOUT_MS}"
-        ))
-        .await?;
+        super::short_transaction(&tx, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
         let taken = tx
             .query_opt(
                 "INSERT INTO leader_leases AS l (name, holder, epoch, expires_at)
@@ -116,27 +113,44 @@ impl Lease {
 
     /// Inside `tx` (one unit of the leader's work): makes it a short transaction
     /// ([`super::short_transaction`]), renews the lease and locks its row until `tx`
-    /// ends. False when the lease is no longer ours in our epoch (expired,
-    /// or taken over): the caller must roll back and stop leading.
+    /// ends. False when the lease is no longer ours in our epoch (taken over after it
+    /// expired, or a takeover holds its row): the caller must roll back and stop
+    /// leading.
     pub async fn fence(&mut self, tx: &tokio_postgres::Transaction<'_>) -> Result<bool, DbError> {
         let Some(epoch) = self.epoch else {
             return Ok(false);
         };
-        super::short_transaction(tx, None).await?;
+        super::short_transaction(tx, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
+        // Ours while the holder and the epoch are: a takeover needs the lease expired,
+        // changes the holder and moves the epoch on, all under the row lock taken here.
+        // A lease that expired while this leader worked slowly (a paced batch, a slow
+        // page query) with nobody taking over is still ours, and renewed.
         let renewed = tx
             .query_opt(
                 "UPDATE leader_leases
                     SET expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
                   WHERE name = $1 AND holder = $2 AND epoch = $3
-                    AND expires_at > clock_timestamp()
                  RETURNING epoch",
                 &[&self.name, &self.holder, &epoch, &self.ttl_ms()],
             )
-            .await?;
-        if renewed.is_none() {
+            .await;
+        let renewed = match renewed {
+            Ok(row) => row.is_some(),
+            // A contender holds the row inside its takeover: not ours this round (the
+            // transaction is aborted; the caller rolls it back).
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                false
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !renewed {
             self.epoch = None;
+            return Ok(false);
         }
-        Ok(renewed.is_some())
+        // The rest of the unit waits for locks as long as it would have.
+        tx.batch_execute("SET LOCAL lock_timeout TO DEFAULT")
+            .await?;
+        Ok(true)
     }
 
     /// Gives the lease up (on shutdown), so another worker can lead at once.

@@ -242,10 +242,21 @@ pub async fn short_transaction(
     tx: &tokio_postgres::Transaction<'_>,
     lock_timeout: Option<Duration>,
 ) -> Result<(), DbError> {
+    limit_idle(tx, SHORT_TRANSACTION_IDLE, lock_timeout).await
+}
+
+/// Ends the transaction `tx` runs in when it sits idle for `idle` waiting for lapse's
+/// next statement; waits for a lock other than a skipped row lock bounded by
+/// `lock_timeout` when given.
+pub async fn limit_idle(
+    tx: &tokio_postgres::Transaction<'_>,
+    idle: Duration,
+    lock_timeout: Option<Duration>,
+) -> Result<(), DbError> {
     let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX.unsigned_abs().into());
     let mut sql = format!(
         "SET LOCAL idle_in_transaction_session_timeout = {}",
-        ms(SHORT_TRANSACTION_IDLE)
+        ms(idle)
     );
     if let Some(lock_timeout) = lock_timeout {
         sql += &format!("; SET LOCAL lock_timeout = {}", ms(lock_timeout));

@@ -98,9 +98,11 @@ async fn a_row_locked_past_the_brokers_consumer_timeout_costs_no_channel_and_no_
         0,
         "the broker closed the consumer's channel"
     );
+    // About one renewal per hold limit (2 s) of the lock: some, never a storm.
+    let renewed = worker.stats.get(Outcome::Renewed);
     assert!(
-        worker.stats.get(Outcome::Renewed) >= 2,
-        "kept past half the consumer timeout without renewing"
+        (2..=20).contains(&renewed),
+        "{renewed} renewals over a {LOCKED_FOR:?} lock"
     );
     assert_eq!(worker.stats.get(Outcome::Parked), 0);
     worker.stop().await;
@@ -131,7 +133,11 @@ async fn a_row_locked_past_the_brokers_consumer_timeout_costs_no_channel_and_no_
         0,
         "the broker closed the releaser's channel"
     );
-    assert!(worker.stats.get(Outcome::Renewed) >= 2);
+    let renewed = worker.stats.get(Outcome::Renewed);
+    assert!(
+        (2..=20).contains(&renewed),
+        "{renewed} renewals of the release over a {LOCKED_FOR:?} lock"
+    );
     assert_eq!(worker.stats.get(Outcome::Parked), 0);
     worker.stop().await;
 

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -48,12 +48,19 @@ pub struct BatchSource {
     unacked: BTreeMap<u64, Instant>,
     /// The longest a delivery is kept unacknowledged ([`Endpoint::hold_limit`]).
     hold_limit: Duration,
+    /// The last moment lapin's buffer of this consumer was seen empty: every delivery
+    /// read since arrived no earlier, so its age is counted from here (a delivery can
+    /// wait in that buffer, behind a prefetch's worth of others, before it is read).
+    empty_at: Instant,
     /// Deliveries a hold would have kept past `hold_limit`: to renew.
     overdue: Vec<Delivery>,
     /// How long any reply of the broker on this channel is waited for.
     reply_timeout: Duration,
     pub channel: lapin::Channel,
 }
+
+/// A delivery whose hold limit is closer than this is renewed rather than held.
+const MIN_HOLD_BEFORE_RENEWAL: Duration = Duration::from_millis(100);
 
 /// How long a consumer waits without any delivery before it checks whether its queue
 /// holds ready messages nonetheless.
@@ -93,6 +100,7 @@ impl BatchSource {
             held: DelayQueue::new(),
             unacked: BTreeMap::new(),
             hold_limit,
+            empty_at: Instant::now(),
             overdue: Vec::new(),
             reply_timeout,
             channel,
@@ -104,10 +112,15 @@ impl BatchSource {
     /// aside for [`ConsumerSession::renew_overdue`], which the session loop runs after
     /// each batch.
     pub fn hold(&mut self, delivery: Delivery, until: Instant) {
-        if until > self.kept_until(&delivery) {
-            self.overdue.push(delivery);
-        } else {
+        let last = self.kept_until(&delivery);
+        if until <= last {
             self.held.insert_at(delivery, until);
+        } else if last > Instant::now() + MIN_HOLD_BEFORE_RENEWAL {
+            // Held as long as it may be, then decided again: only a delivery at its
+            // limit is renewed, so a long back-off never renews one again and again.
+            self.held.insert_at(delivery, last);
+        } else {
+            self.overdue.push(delivery);
         }
     }
 
@@ -121,10 +134,14 @@ impl BatchSource {
         arrived + self.hold_limit
     }
 
-    /// True when `delivery` has been kept unacknowledged as long as it may be: it is
-    /// to be held (and so renewed), not waited on any longer.
-    pub fn must_renew(&self, delivery: &Delivery) -> bool {
-        Instant::now() >= self.kept_until(delivery)
+    /// True when some delivery of this source (in the batch at hand, held, or kept)
+    /// reaches its hold limit within `margin`: a handler retrying in place must hand
+    /// its deliveries back to the session (hold them) instead of waiting longer.
+    pub fn limit_near(&self, margin: Duration) -> bool {
+        self.unacked
+            .values()
+            .min()
+            .is_some_and(|oldest| Instant::now() + margin >= *oldest + self.hold_limit)
     }
 
     /// Gives `delivery` back to the queue (`basic.nack`, requeue): the last resort for
@@ -163,35 +180,53 @@ impl BatchSource {
         // for this `select!`, and nothing is held meanwhile (holds are added between
         // batches, by the caller).
         let mut idle_with_ready = 0;
-        let first = loop {
-            let held = &mut self.held;
-            tokio::select! {
-                biased;
-                _ = token.cancelled() => return Ok(None),
-                Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => break d.into_inner(),
-                next = self.consumer.next() => {
-                    let d = Self::unwrap(next)?;
-                    self.unacked.insert(d.delivery_tag, Instant::now());
-                    break d;
-                }
-                _ = tokio::time::sleep(IDLE_CHECK) => {
-                    // Nothing arrived for a while although there is room in prefetch:
-                    // does the queue hold ready messages the broker does not deliver
-                    // (a consumer attached while a quorum queue's leader changed can
-                    // stay silent)? Twice in a row: the session ends and re-attaches.
-                    if self.held.len() >= usize::from(self.prefetch) {
-                        idle_with_ready = 0;
-                        continue;
+        // Whether lapin's buffer is empty now (then whatever is read later arrived later).
+        let ready_now = self.consumer.next().now_or_never();
+        if ready_now.is_none() {
+            self.empty_at = Instant::now();
+        }
+        let first = match ready_now {
+            Some(next) => {
+                let d = Self::unwrap(next)?;
+                self.unacked.insert(d.delivery_tag, self.empty_at);
+                Some(d)
+            }
+            None => None,
+        };
+        let first = if let Some(d) = first {
+            d
+        } else {
+            loop {
+                let held = &mut self.held;
+                tokio::select! {
+                    biased;
+                    _ = token.cancelled() => return Ok(None),
+                    Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => break d.into_inner(),
+                    next = self.consumer.next() => {
+                        let d = Self::unwrap(next)?;
+                        self.unacked.insert(d.delivery_tag, self.empty_at);
+                        break d;
                     }
-                    // Shutdown is watched meanwhile (the declare may wait up to the
-                    // reply timeout).
-                    let ready = tokio::select! {
-                        _ = token.cancelled() => return Ok(None),
-                        ready = self.ready() => ready?,
-                    };
-                    idle_with_ready = if ready > 0 { idle_with_ready + 1 } else { 0 };
-                    if idle_with_ready >= 2 {
-                        return Err(BrokerError::ConsumerSilent { queue: self.queue.clone(), ready });
+                    _ = tokio::time::sleep(IDLE_CHECK) => {
+                        self.empty_at = Instant::now();
+                        // Nothing arrived for a while although there is room in prefetch:
+                        // does the queue hold ready messages the broker does not deliver
+                        // (a consumer attached while a quorum queue's leader changed can
+                        // stay silent)? Twice in a row: the session ends and re-attaches.
+                        if self.held.len() >= usize::from(self.prefetch) {
+                            idle_with_ready = 0;
+                            continue;
+                        }
+                        // Shutdown is watched meanwhile (the declare may wait up to the
+                        // reply timeout).
+                        let ready = tokio::select! {
+                            _ = token.cancelled() => return Ok(None),
+                            ready = self.ready() => ready?,
+                        };
+                        idle_with_ready = if ready > 0 { idle_with_ready + 1 } else { 0 };
+                        if idle_with_ready >= 2 {
+                            return Err(BrokerError::ConsumerSilent { queue: self.queue.clone(), ready });
+                        }
                     }
                 }
             }
@@ -205,10 +240,14 @@ impl BatchSource {
                 Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
                 next = self.consumer.next() => {
                     let d = Self::unwrap(next)?;
-                    self.unacked.insert(d.delivery_tag, Instant::now());
+                    self.unacked.insert(d.delivery_tag, self.empty_at);
                     batch.push(d);
                 }
-                _ = tokio::time::sleep_until(until) => break,
+                _ = tokio::time::sleep_until(until) => {
+                    // The consumer was polled first and had nothing: its buffer is empty.
+                    self.empty_at = Instant::now();
+                    break;
+                }
                 // A long window (up to 10 s) must not hold up a shutdown: what has
                 // arrived is handled now.
                 _ = token.cancelled() => break,
@@ -316,30 +355,41 @@ impl ConsumerSession {
     /// Returns how many were renewed and how many given back.
     pub async fn renew_overdue(&mut self) -> Result<(usize, usize), BrokerError> {
         let overdue = std::mem::take(&mut self.source.overdue);
-        let (mut renewed, mut given_back) = (0, 0);
-        for delivery in overdue {
-            let properties =
-                requeued_properties(&delivery.properties, returns_so_far(&delivery.properties));
-            let copy = Outgoing::new("", &self.source.queue, delivery.data.clone(), properties);
-            match self.publishing.publish(copy).await {
-                Ok(()) => {
-                    self.source.ack(&delivery).await?;
-                    renewed += 1;
-                }
+        if overdue.is_empty() {
+            return Ok((0, 0));
+        }
+        let copies = overdue
+            .iter()
+            .map(|delivery| {
+                let returns = returns_so_far(&delivery.properties);
+                let properties = requeued_properties(&delivery.properties, returns);
+                Outgoing::new("", &self.source.queue, delivery.data.clone(), properties)
+            })
+            .collect();
+        // All copies at once: a silent broker costs one confirm timeout, not one each.
+        let results = self.publishing.publish_all(copies).await;
+        let (mut renewed, mut given_back) = (Vec::new(), Vec::new());
+        for (delivery, result) in overdue.into_iter().zip(results) {
+            match result {
+                Ok(()) => renewed.push(delivery),
                 Err(e) => {
                     tracing::warn!(error = %e, queue = %self.source.queue,
                         "could not renew a delivery kept as long as the broker's consumer \
                          timeout allows; giving it back to the queue");
-                    self.source.requeue(&delivery).await?;
-                    given_back += 1;
+                    given_back.push(delivery);
                 }
             }
         }
-        if renewed + given_back > 0 {
-            tracing::info!(renewed, given_back, queue = %self.source.queue,
+        self.source.ack_all(&renewed).await?;
+        for delivery in &given_back {
+            self.source.requeue(delivery).await?;
+        }
+        if !renewed.is_empty() || !given_back.is_empty() {
+            tracing::info!(renewed = renewed.len(), given_back = given_back.len(),
+                queue = %self.source.queue,
                 "deliveries kept as long as the broker's consumer timeout allows were renewed");
         }
-        Ok((renewed, given_back))
+        Ok((renewed.len(), given_back.len()))
     }
 
     /// Publishes a parked copy of `delivery` with `reason` on `parked_exchange`, then
@@ -466,6 +516,10 @@ pub(crate) async fn consume<H: BatchHandler>(
         let busy = health.busy(how.component);
         if let Err(e) = handler.handle(batch, &mut session, token, &busy).await {
             break Err(e);
+        }
+        // On shutdown the close gives every unacknowledged delivery back anyway.
+        if token.is_cancelled() {
+            continue;
         }
         match session.renew_overdue().await {
             Ok((renewed, given_back)) => {

@@ -65,6 +65,12 @@ struct ReleaseEvent {
 /// is parked. lapse's own bound: the broker's delivery count is never spent on it.
 pub const PERMANENT_ATTEMPTS: u32 = 3;
 
+/// How close to its hold limit (half the broker's consumer timeout) a delivery may be
+/// before a batch retrying in place gives way: a back-off (at most 5 s) and one more
+/// try (a pool wait of up to 10 s) fit in it. The batch's deliveries are then held in
+/// the session's delay queue (and renewed at their limit) instead.
+pub(super) const RETRY_MARGIN: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Rounds a batch whose every event fails identically is held and retried (with the
 /// back-off, 100 ms doubling to 5 s: about 5 minutes) before its events are parked.
 pub const SYSTEMIC_ROUNDS: u32 = 60;
@@ -221,6 +227,10 @@ impl Releaser {
                         .by("releaser")
                         .record(Outcome::ReleaseRetried, u64::try_from(count).unwrap_or(0));
                     work = group_by_shard(failed.into_iter().map(|(p, _)| p));
+                    if session.source.limit_near(RETRY_MARGIN) {
+                        hold_away(work, session, away);
+                        return Ok(());
+                    }
                     busy.idle_while(backoff.sleep(token)).await;
                     continue;
                 }
@@ -243,6 +253,10 @@ impl Releaser {
                 }
             }
             if work.iter().all(Vec::is_empty) {
+                return Ok(());
+            }
+            if session.source.limit_near(RETRY_MARGIN) {
+                hold_away(work, session, away);
                 return Ok(());
             }
             // Waiting for a retry is not a stall.

@@ -129,15 +129,15 @@ impl Releaser {
                             "releaser: order rows locked by another transaction; holding them back");
                     }
                 }
-                // Kept as long as the broker's consumer timeout allows: held (and so
-                // renewed) instead of waited on longer.
+                // With several shards the others go on meanwhile; near the broker's
+                // consumer timeout the batch gives way: held (and renewed at its limit)
+                // instead of retried in place.
                 Err(e)
                     if e.is_transient()
-                        && (self.pools.len() > 1
-                            || chunk.iter().any(|p| source.must_renew(&p.delivery))) =>
+                        && (self.pools.len() > 1 || source.limit_near(super::RETRY_MARGIN)) =>
                 {
                     tracing::warn!(error = %e.detail(), held = chunk.len(), shard,
-                        "releaser: shard database unavailable; holding its deliveries, releasing the other shards'");
+                        "releaser: database unavailable; holding these deliveries and going on with the rest");
                     self.stats.by("releaser").record(
                         Outcome::ReleaseRetried,
                         u64::try_from(chunk.len()).unwrap_or(0),
