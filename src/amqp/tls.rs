@@ -105,8 +105,8 @@ impl TlsFiles {
         }
     }
 
-    /// A rustls client configuration with the same trust and identity, for HTTPS.
-    pub fn client_config(&self) -> Result<rustls::ClientConfig, TlsError> {
+    /// The certificates trusted: the system's roots plus the CA file's.
+    pub fn roots(&self) -> Result<rustls::RootCertStore, TlsError> {
         let mut roots = rustls::RootCertStore::empty();
         // Unreadable entries of the system store are skipped, as every TLS client does.
         let native = rustls_native_certs::load_native_certs();
@@ -117,6 +117,12 @@ impl TlsFiles {
                 .map_err(|e| TlsError::Setup(e.to_string()))?;
             roots.add_parsable_certificates(extra);
         }
+        Ok(roots)
+    }
+
+    /// A rustls client configuration with the same trust and identity, for HTTPS.
+    pub fn client_config(&self) -> Result<rustls::ClientConfig, TlsError> {
+        let roots = self.roots()?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()

@@ -113,9 +113,7 @@ impl BenchEnv {
 
     /// A plain connection to the benchmark database.
     pub async fn client(&self) -> anyhow::Result<tokio_postgres::Client> {
-        let (client, connection) = db::pg_config(&self.database_url)?
-            .connect(tokio_postgres::NoTls)
-            .await?;
+        let (client, connection) = db::connect(&db::pg_config(&self.database_url)?).await?;
         tokio::spawn(connection);
         Ok(client)
     }
@@ -230,9 +228,8 @@ impl BenchEnv {
     async fn drop_database(&self) -> anyhow::Result<()> {
         let mut admin = url::Url::parse(self.database_url.expose())?;
         admin.set_path("/postgres");
-        let (client, connection) = db::pg_config(&Secret::new(admin.to_string()))?
-            .connect(tokio_postgres::NoTls)
-            .await?;
+        let target = db::pg_config(&Secret::new(admin.to_string()))?;
+        let (client, connection) = db::connect(&target).await?;
         tokio::spawn(connection);
         client
             .batch_execute(&format!(

@@ -148,6 +148,19 @@ pub fn database(e: &tokio_postgres::Error) -> Option<Failure> {
             _ => None,
         };
     }
+    if crate::amqp::tls::is_certificate_error(e) {
+        let cause = std::error::Error::source(e).map_or_else(|| e.to_string(), |s| s.to_string());
+        return usage(format!(
+            "database.url: the database server's certificate was rejected ({cause}); with \
+             sslmode=verify-ca or verify-full it must chain to the system's roots or to \
+             sslrootcert, and with verify-full name the host in database.url"
+        ));
+    }
+    if e.to_string().contains("server does not support TLS") {
+        return usage(format!(
+            "database.url asks for TLS (sslmode), but the database server does not offer it ({e})"
+        ));
+    }
     if e.is_closed()
         || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
         || e.to_string().contains("timeout")

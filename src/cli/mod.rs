@@ -155,6 +155,19 @@ impl Cli {
             key: "broker.tls".into(),
             problem: e.to_string(),
         })?;
+        // Each database's sslrootcert, read and checked now, as the broker's files are.
+        for shard in config.database.shard_list() {
+            let key = match config.database.sharded() {
+                true => crate::db::shard_key(shard.index),
+                false => "database.url".to_string(),
+            };
+            crate::db::pg_config(&shard.url)
+                .and_then(|target| target.connector().map(|_| ()))
+                .map_err(|e| crate::config::ConfigError {
+                    key,
+                    problem: e.to_string(),
+                })?;
+        }
         Ok(config)
     }
 }

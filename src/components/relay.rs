@@ -98,11 +98,6 @@ pub struct Relay {
     pub component: &'static str,
     /// The `shard` label of its database gauges; `None` without shards.
     pub shard_label: Option<String>,
-    /// How long a round's transaction may sit idle between lapse's statements: it
-    /// waits for the tier check and for the confirms inside it, each bounded by
-    /// `broker.confirm_timeout`. A relay frozen inside it frees its outbox rows after
-    /// this long, not after `database.statement_timeout`.
-    pub idle_limit: Duration,
 }
 
 impl Relay {
@@ -118,7 +113,6 @@ impl Relay {
             tolerance: config.relay.tier_tolerance,
             batch_size: config.relay.batch_size,
             stats,
-            idle_limit: config.broker.confirm_timeout * 2 + Duration::from_secs(5),
         }
     }
 
@@ -134,7 +128,6 @@ impl Relay {
     ) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        crate::db::limit_idle(&tx, self.idle_limit, None).await?;
         let rows = tx
             .query(
                 "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox

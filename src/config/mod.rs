@@ -314,7 +314,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         broker::validate(&self.broker)?;
         validate_prefix(&self.broker.prefix)?;
-        tokio_postgres::Config::from_str(self.database.url.expose()).map_err(|_| {
+        let (rest, _) = pg_tls::split(self.database.url.expose())
+            .map_err(|problem| ConfigError::new("database.url", problem))?;
+        tokio_postgres::Config::from_str(&rest).map_err(|_| {
             ConfigError::new(
                 "database.url",
                 "not a valid postgres:// URL or key=value string",
@@ -437,6 +439,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 mod addresses;
 mod load;
 mod moved;
+pub mod pg_tls;
 mod shards;
 mod timing;
 

@@ -9,13 +9,15 @@
 //! How: [`Lease::acquire`] takes the lease when it is free, expired or already ours; a
 //! new holder (or ours again after it lapsed) starts a new epoch. The holder renews it
 //! with [`Lease::fence`] inside each unit of work's transaction: the renewal succeeds
-//! only while the lease is still ours, in our epoch and unexpired, and it locks the
+//! only while the lease is still ours, in our epoch (a takeover needs it expired, and
+//! changes both), and it locks the
 //! lease row until the transaction ends, so a contender cannot take over between the
 //! check and the commit. A unit whose fence fails writes nothing and the holder stops.
 //!
-//! Bound: a holder that stops renewing loses the lease `ttl` after its last renewal;
-//! one frozen inside a unit's transaction holds the row lock until the server ends
-//! that transaction ([`super::SHORT_TRANSACTION_IDLE`]).
+//! Bound: a holder that stops renewing loses the lease `ttl` after its last committed
+//! renewal; one frozen inside a unit's transaction holds the row lock until the server
+//! ends that transaction ([`super::SHORT_TRANSACTION_IDLE`]), which rolls its renewal
+//! back.
 
 use std::time::Duration;
 
@@ -69,7 +71,7 @@ impl Lease {
         let current = client
             .query_opt(
                 "SELECT holder, expires_at > clock_timestamp() AS live
-                   FROM leader_leases WHERE name = $1",
+                   FROM lapse_leader_leases WHERE name = $1",
                 &[&self.name],
             )
             .await?;
@@ -84,7 +86,7 @@ impl Lease {
         super::short_transaction(&tx, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
         let taken = tx
             .query_opt(
-                "INSERT INTO leader_leases AS l (name, holder, epoch, expires_at)
+                "INSERT INTO lapse_leader_leases AS l (name, holder, epoch, expires_at)
                  VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 millisecond')
                  ON CONFLICT (name) DO UPDATE
                     SET holder = EXCLUDED.holder,
@@ -127,7 +129,7 @@ impl Lease {
         // page query) with nobody taking over is still ours, and renewed.
         let renewed = tx
             .query_opt(
-                "UPDATE leader_leases
+                "UPDATE lapse_leader_leases
                     SET expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
                   WHERE name = $1 AND holder = $2 AND epoch = $3
                  RETURNING epoch",
@@ -158,7 +160,7 @@ impl Lease {
         if let Some(epoch) = self.epoch.take() {
             client
                 .execute(
-                    "UPDATE leader_leases SET expires_at = clock_timestamp()
+                    "UPDATE lapse_leader_leases SET expires_at = clock_timestamp()
                       WHERE name = $1 AND holder = $2 AND epoch = $3",
                     &[&self.name, &self.holder, &epoch],
                 )

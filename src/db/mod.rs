@@ -7,7 +7,6 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
 
 use crate::config::{DatabaseConfig, Secret};
 
@@ -16,6 +15,7 @@ refinery::embed_migrations!("migrations");
 mod lease;
 mod position;
 mod shards;
+pub mod tls;
 pub use lease::Lease;
 pub use position::{
     SchemaState, check as check_position, check_list, recorded_position, schema_state,
@@ -113,6 +113,12 @@ pub fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
 }
 
 impl DbError {
+    /// True when the database named does not exist (yet).
+    pub fn is_missing_database(&self) -> bool {
+        matches!(self, DbError::Postgres(e)
+            if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME))
+    }
+
     /// True when the list of order databases was reordered ([`DbError::ShardMoved`],
     /// [`DbError::ListMoved`]): a configuration error.
     pub fn is_reordered_list(&self) -> bool {
@@ -187,9 +193,44 @@ fn is_client_timeout(e: &tokio_postgres::Error) -> bool {
     e.as_db_error().is_none() && e.to_string() == "timeout waiting for server"
 }
 
-pub fn pg_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
-    tokio_postgres::Config::from_str(url.expose())
-        .map_err(|_| DbError::Config("database.url is not a valid PostgreSQL URL".into()))
+/// Where and how to connect to one database: the driver's settings (reached through
+/// `Deref`) and the TLS the URL asked for ([`tls`]).
+#[derive(Clone)]
+pub struct PgTarget {
+    config: tokio_postgres::Config,
+    tls: tls::PgTls,
+}
+
+impl std::ops::Deref for PgTarget {
+    type Target = tokio_postgres::Config;
+    fn deref(&self) -> &Self::Target {
+        &self.config
+    }
+}
+
+impl std::ops::DerefMut for PgTarget {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.config
+    }
+}
+
+impl PgTarget {
+    /// The TLS connector of this target (plain TCP is used when `sslmode` is
+    /// `disable`, the default).
+    pub fn connector(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect, DbError> {
+        tls::connector(&self.tls)
+            .map_err(|e| DbError::Config(format!("database.url: sslrootcert: {e}")))
+    }
+}
+
+/// The settings of `url`, with `sslmode` and `sslrootcert` taken out for lapse's own
+/// TLS ([`tls::split`]).
+pub fn pg_config(url: &Secret) -> Result<PgTarget, DbError> {
+    let (rest, tls) = tls::split(url.expose())
+        .map_err(|problem| DbError::Config(format!("database.url: {problem}")))?;
+    let config = tokio_postgres::Config::from_str(&rest)
+        .map_err(|_| DbError::Config("database.url is not a valid PostgreSQL URL".into()))?;
+    Ok(PgTarget { config, tls })
 }
 
 /// A pool of `size` connections to `database.url`; connections are opened lazily.
@@ -211,9 +252,10 @@ pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
         _ => timeouts,
     };
     config.options(options);
+    let connector = config.connector()?;
     let manager = Manager::from_config(
-        config,
-        NoTls,
+        config.config,
+        connector,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -266,14 +308,16 @@ pub async fn limit_idle(
 }
 
 /// The driver half of a connection made outside a pool: spawn it to drive the client.
-pub type Connection =
-    tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>;
+pub type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<
+        tokio_postgres::Socket,
+    >>::Stream,
+>;
 
 /// One connection outside any pool (for LISTEN and administration).
-pub async fn connect(
-    config: &tokio_postgres::Config,
-) -> Result<(tokio_postgres::Client, Connection), DbError> {
-    Ok(config.connect(NoTls).await?)
+pub async fn connect(target: &PgTarget) -> Result<(tokio_postgres::Client, Connection), DbError> {
+    Ok(target.config.connect(target.connector()?).await?)
 }
 
 /// How long creating, migrating or checking a database waits for the TCP connect to
@@ -290,7 +334,7 @@ pub const LOGIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// vanishes mid-way (no ACKs) within a minute through TCP keepalives and the user
 /// timeout, so a worker's start does not wait minutes for one shard. A migration that
 /// runs long, or waits for another worker's migration lock, is not cut short.
-pub fn bounded_config(url: &Secret) -> Result<tokio_postgres::Config, DbError> {
+pub fn bounded_config(url: &Secret) -> Result<PgTarget, DbError> {
     let mut config = pg_config(url)?;
     config.connect_timeout(MIGRATION_CONNECT_TIMEOUT);
     detect_dead_peers(&mut config);
@@ -315,7 +359,7 @@ fn detect_dead_peers(config: &mut tokio_postgres::Config) {
 /// [`MIGRATION_CONNECT_TIMEOUT`] for each host the driver may try in turn plus
 /// [`LOGIN_TIMEOUT`].
 pub async fn bounded_connect(
-    config: &tokio_postgres::Config,
+    config: &PgTarget,
 ) -> Result<(tokio_postgres::Client, Connection), DbError> {
     let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
     let after = MIGRATION_CONNECT_TIMEOUT.saturating_mul(hosts) + LOGIN_TIMEOUT;
@@ -405,11 +449,19 @@ pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
 /// Applies pending migrations to the one order database (`database.url`, shard 0),
 /// then writes `settings` and checks its position (see [`migrate_shard`]).
 pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<usize, DbError> {
-    let applied = migrate_shard(url, settings, 0).await?;
     let lone = [crate::config::Shard {
         index: 0,
         url: url.clone(),
     }];
+    // A database recorded at another position first (the more specific refusal), then
+    // another deployment's list under the same prefix: refused before anything changes.
+    if let Ok(recorded) = recorded_position(url).await {
+        position::check(recorded, 0)?;
+    }
+    shards::bind_list(&lone, &settings.prefix, false)
+        .await
+        .map_err(|(_, e)| e)?;
+    let applied = migrate_shard(url, settings, 0).await?;
     shards::bind_list(&lone, &settings.prefix, true)
         .await
         .map_err(|(_, e)| e)?;

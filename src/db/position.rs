@@ -87,7 +87,8 @@ pub(super) async fn record<C: tokio_postgres::GenericClient>(
             DbError::Unreadable(
                 "lapse_settings holds no row (lapse keeps its settings in its one row): \
                  restore it with `INSERT INTO lapse_settings DEFAULT VALUES`, then run \
-                 `lapse migrate` again"
+                 `lapse migrate` again; the row gets a new database identity, so clear the \
+                 other databases' record of the list first (docs/scaling.md)"
                     .into(),
             )
         })?;
@@ -200,10 +201,15 @@ pub async fn read_membership(url: &Secret, prefix: &str) -> Result<Membership, D
 }
 
 /// [`record_list`] on the database at `url`.
-pub async fn record_list_at(url: &Secret, prefix: &str, list: &[String]) -> Result<(), DbError> {
+pub async fn record_list_at(
+    url: &Secret,
+    prefix: &str,
+    read: Option<&Vec<String>>,
+    list: &[String],
+) -> Result<(), DbError> {
     let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
-    let done = tokio::time::timeout(LOGIN_TIMEOUT, record_list(&client, prefix, list))
+    let done = tokio::time::timeout(LOGIN_TIMEOUT, record_list(&client, prefix, read, list))
         .await
         .unwrap_or(Err(DbError::NoAnswer {
             step: "record its list of databases",
@@ -218,19 +224,31 @@ pub async fn record_list_at(url: &Secret, prefix: &str, list: &[String]) -> Resu
     done
 }
 
-/// Records `list` as `prefix`'s list in the database `client` is connected to.
+/// Records `list` as `prefix`'s list in the database `client` is connected to, if
+/// the record is still `read` (what the check saw): two migrations with different
+/// lists, each checked before the other wrote, cannot both record theirs.
 pub async fn record_list<C: tokio_postgres::GenericClient>(
     client: &C,
     prefix: &str,
+    read: Option<&Vec<String>>,
     list: &[String],
 ) -> Result<(), DbError> {
     let value = serde_json::to_value(list).expect("a list of strings serialises");
-    client
+    let read = read.map(|r| serde_json::to_value(r).expect("a list of strings serialises"));
+    let written = client
         .execute(
-            "UPDATE lapse_settings SET shard_lists = jsonb_set(shard_lists, ARRAY[$1::text], $2::jsonb)",
-            &[&prefix, &value],
+            "UPDATE lapse_settings
+                SET shard_lists = jsonb_set(shard_lists, ARRAY[$1::text], $2::jsonb)
+              WHERE (shard_lists -> $1::text) IS NOT DISTINCT FROM $3::jsonb",
+            &[&prefix, &value, &read],
         )
         .await?;
+    if written == 0 {
+        return Err(DbError::Refused(format!(
+            "the list of order databases recorded for broker.prefix {prefix:?} changed while \
+             this one was checked (another migration or worker start): run it again"
+        )));
+    }
     Ok(())
 }
 

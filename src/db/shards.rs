@@ -172,6 +172,23 @@ pub async fn migrate_shards(
             })
             .collect();
     }
+    // Another deployment's list under the same prefix: refused before anything changes.
+    if let Err((shard, e)) = bind_list(&shards, &settings.prefix, false).await {
+        let key = shard_key(shards[shard].index);
+        let detail = e.to_string();
+        let mut e = Some(e);
+        return shards
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let error = match e.take().filter(|_| i == shard) {
+                    Some(e) => e,
+                    None => DbError::Config(format!("not migrated: {key}: {detail}")),
+                };
+                (s, Err(error))
+            })
+            .collect();
+    }
     let runs = shards
         .iter()
         .zip(recorded)
@@ -217,8 +234,18 @@ pub(super) async fn bind_list(
         .iter()
         .map(|shard| super::position::read_membership(&shard.url, prefix));
     let answers = futures_util::future::join_all(asked).await;
-    let known: Vec<super::position::Membership> =
-        answers.into_iter().map(|a| a.unwrap_or_default()).collect();
+    let mut known = Vec::with_capacity(answers.len());
+    for (i, answer) in answers.into_iter().enumerate() {
+        known.push(match answer {
+            Ok(membership) => membership,
+            // Not answering now, or not created yet: left out of this check, met by a
+            // later one.
+            Err(e) if e.is_transient() || e.is_missing_database() => {
+                super::position::Membership::default()
+            }
+            Err(e) => return Err((i, e)),
+        });
+    }
     let configured: Vec<Option<String>> = known.iter().map(|m| m.id.clone()).collect();
     let recorded: Vec<Option<Vec<String>>> = known.iter().map(|m| m.list.clone()).collect();
     super::check_list(&configured, &recorded).map_err(|(shard, position)| {
@@ -238,7 +265,7 @@ pub(super) async fn bind_list(
     };
     for (i, (shard, membership)) in shards.iter().zip(&known).enumerate() {
         let list = super::position::list_to_record(&ids, membership.list.as_ref());
-        super::position::record_list_at(&shard.url, prefix, &list)
+        super::position::record_list_at(&shard.url, prefix, membership.list.as_ref(), &list)
             .await
             .map_err(|e| (i, e))?;
     }

@@ -357,7 +357,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     let other = env.db().await;
     other
         .execute(
-            "INSERT INTO leader_leases (name, holder, epoch, expires_at)
+            "INSERT INTO lapse_leader_leases (name, holder, epoch, expires_at)
              VALUES ('sweeper', 'another worker', 1, clock_timestamp() + interval '1 hour')",
             &[],
         )
@@ -369,7 +369,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     // Its lease ran out: this one leads.
     other
         .execute(
-            "UPDATE leader_leases SET expires_at = clock_timestamp() WHERE name = 'sweeper'",
+            "UPDATE lapse_leader_leases SET expires_at = clock_timestamp() WHERE name = 'sweeper'",
             &[],
         )
         .await

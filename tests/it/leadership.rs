@@ -87,7 +87,7 @@ async fn a_frozen_sweeper_leader_loses_the_lead_and_another_worker_sweeps() {
     .await;
     let holder: String = db
         .query_one(
-            "SELECT holder FROM leader_leases WHERE name = 'sweeper'",
+            "SELECT holder FROM lapse_leader_leases WHERE name = 'sweeper'",
             &[],
         )
         .await

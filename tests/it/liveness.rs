@@ -158,7 +158,8 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     let channel = env.conn.create_channel().await.unwrap();
     for queue in [env.names().due_queue(), env.names().stock_release_queue()] {
         eventually(
-            Duration::from_secs(30),
+            // Generous: two processes start beside other tests' private nodes.
+            Duration::from_secs(90),
             "both workers consuming",
             || async {
                 let q = channel
@@ -220,6 +221,30 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     tokio::time::sleep((stopped + bound).saturating_duration_since(Instant::now())).await;
     signal(&frozen, "CONT");
     wait_released(&db, ORDERS as i64).await;
+    // Woken up mid-batch, it finds its connections gone (a confirm it waited for can
+    // take `broker.confirm_timeout`): stopped once it consumes again, its shutdown is a
+    // drained one.
+    for queue in [env.names().due_queue(), env.names().stock_release_queue()] {
+        eventually(
+            Duration::from_secs(60),
+            "the woken worker consuming again",
+            || async {
+                let q = channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions {
+                            passive: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .ok()?;
+                (q.consumer_count() == 2).then_some(())
+            },
+        )
+        .await;
+    }
     assert_never_early(&db).await;
     let twice = count(
         &db,

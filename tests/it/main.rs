@@ -27,6 +27,7 @@ mod locks;
 mod outage;
 mod parked;
 mod parked_replay;
+mod pg_tls;
 mod pipeline;
 mod private_cluster;
 mod private_pg;

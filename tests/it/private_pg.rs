@@ -67,6 +67,44 @@ impl PrivatePostgres {
         pg
     }
 
+    /// A server that accepts only TLS connections (`hostnossl` rejected), with the
+    /// server certificate and key of `certs`.
+    pub fn start_tls(port: u16, certs: &crate::private_rabbit::TestCertificates) -> Self {
+        let pg = Self::start(port);
+        pg.stop_server();
+        let data = std::path::PathBuf::from(pg.data());
+        for (from, to) in [
+            (&certs.cert_file, "server.crt"),
+            (&certs.key_file, "server.key"),
+        ] {
+            std::fs::copy(from, data.join(to)).unwrap();
+            let _ = Command::new("chown")
+                .args(["postgres:postgres", data.join(to).to_str().unwrap()])
+                .status();
+        }
+        let _ = Command::new("chmod")
+            .args(["600", data.join("server.key").to_str().unwrap()])
+            .status();
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .unwrap();
+        use std::io::Write;
+        writeln!(
+            conf,
+            "ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'"
+        )
+        .unwrap();
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostnossl all all 0.0.0.0/0 reject\nhostnossl all all ::/0 reject\n\
+             hostssl all all 0.0.0.0/0 trust\nhostssl all all ::/0 trust\n",
+        )
+        .unwrap();
+        pg.start_server();
+        pg
+    }
+
     fn data(&self) -> String {
         self.dir.join("data").display().to_string()
     }

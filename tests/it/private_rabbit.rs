@@ -21,6 +21,11 @@ pub struct TestCertificates {
 impl TestCertificates {
     /// Generates a fresh CA and server certificate into `dir`.
     pub fn generate(dir: &Path) -> Self {
+        Self::generate_for(dir, &["127.0.0.1", "localhost"])
+    }
+
+    /// Like [`Self::generate`], with a server certificate for `names` only.
+    pub fn generate_for(dir: &Path, names: &[&str]) -> Self {
         use rcgen::{
             BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
             KeyPair, KeyUsagePurpose,
@@ -36,7 +41,8 @@ impl TestCertificates {
 
         let server_key = KeyPair::generate().unwrap();
         let mut server =
-            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .unwrap();
         server
             .distinguished_name
             .push(DnType::CommonName, "lapse test broker");

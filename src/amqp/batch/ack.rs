@@ -43,7 +43,7 @@ impl BatchSource {
         let singles = if covered >= 2 {
             ack_with(sorted[covered - 1], true).await?;
             for d in &sorted[..covered] {
-                self.unacked.remove(&d.delivery_tag);
+                self.settle(d.delivery_tag);
             }
             &sorted[covered..]
         } else {
@@ -51,7 +51,7 @@ impl BatchSource {
         };
         for d in singles {
             ack_with(d, false).await?;
-            self.unacked.remove(&d.delivery_tag);
+            self.settle(d.delivery_tag);
         }
         Ok(())
     }

@@ -52,11 +52,38 @@ pub struct BatchSource {
     /// read since arrived no earlier, so its age is counted from here (a delivery can
     /// wait in that buffer, behind a prefetch's worth of others, before it is read).
     empty_at: Instant,
+    /// When each of the latest settlements (acknowledgements, nacks) happened, by its
+    /// running number: the broker sends delivery `n` only once `n - prefetch` of them
+    /// were made, which bounds its arrival from below in a backlog too.
+    settled: std::collections::VecDeque<(u64, Instant)>,
+    settlements: u64,
     /// Deliveries a hold would have kept past `hold_limit`: to renew.
     overdue: Vec<Delivery>,
     /// How long any reply of the broker on this channel is waited for.
     reply_timeout: Duration,
     pub channel: lapin::Channel,
+}
+
+/// See [`BatchSource::arrived`]; over the fields it reads, so that it can be used
+/// while the delay queue is borrowed.
+fn arrival(
+    settled: &mut std::collections::VecDeque<(u64, Instant)>,
+    empty_at: Instant,
+    prefetch: u16,
+    tag: u64,
+) -> Instant {
+    let mut at = empty_at;
+    if let Some(needed) = tag.checked_sub(u64::from(prefetch)) {
+        while settled.front().is_some_and(|(n, _)| *n < needed) {
+            settled.pop_front();
+        }
+        if let Some((n, when)) = settled.front()
+            && *n == needed
+        {
+            at = at.max(*when);
+        }
+    }
+    at
 }
 
 /// A delivery whose hold limit is closer than this is renewed rather than held.
@@ -77,6 +104,8 @@ impl BatchSource {
         reply_timeout: Duration,
         hold_limit: Duration,
     ) -> Result<Self, BrokerError> {
+        // Before anything is asked: no delivery can have arrived earlier.
+        let opened_at = Instant::now();
         let channel = broker::open_channel_within(conn, reply_timeout).await?;
         let qos = channel.basic_qos(prefetch, BasicQosOptions::default());
         broker::within(reply_timeout, "basic.qos", async {
@@ -100,7 +129,9 @@ impl BatchSource {
             held: DelayQueue::new(),
             unacked: BTreeMap::new(),
             hold_limit,
-            empty_at: Instant::now(),
+            empty_at: opened_at,
+            settled: std::collections::VecDeque::new(),
+            settlements: 0,
             overdue: Vec::new(),
             reply_timeout,
             channel,
@@ -137,11 +168,31 @@ impl BatchSource {
     /// True when some delivery of this source (in the batch at hand, held, or kept)
     /// reaches its hold limit within `margin`: a handler retrying in place must hand
     /// its deliveries back to the session (hold them) instead of waiting longer.
+    /// The margin is at most a quarter of the hold limit, so a delivery that arrived
+    /// fresh is always worked on for three quarters of it first.
     pub fn limit_near(&self, margin: Duration) -> bool {
+        let margin = margin.min(self.hold_limit / 4);
         self.unacked
             .values()
             .min()
             .is_some_and(|oldest| Instant::now() + margin >= *oldest + self.hold_limit)
+    }
+
+    /// The earliest moment delivery `tag` can have arrived: after lapin's buffer was
+    /// last seen empty, and after the settlement that gave the broker room to send it.
+    fn arrived(&mut self, tag: u64) -> Instant {
+        arrival(&mut self.settled, self.empty_at, self.prefetch, tag)
+    }
+
+    /// Records that `tag` was settled (acknowledged or given back) now.
+    fn settle(&mut self, tag: u64) {
+        self.unacked.remove(&tag);
+        self.settlements += 1;
+        self.settled.push_back((self.settlements, Instant::now()));
+        // Only the last prefetch's worth can still matter.
+        while self.settled.len() > usize::from(self.prefetch) + 1 {
+            self.settled.pop_front();
+        }
     }
 
     /// Gives `delivery` back to the queue (`basic.nack`, requeue): the last resort for
@@ -160,7 +211,7 @@ impl BatchSource {
         if !nacked {
             return Err(BrokerError::ConnectionLost);
         }
-        self.unacked.remove(&delivery.delivery_tag);
+        self.settle(delivery.delivery_tag);
         Ok(())
     }
 
@@ -179,16 +230,23 @@ impl BatchSource {
         // An empty delay queue answers `None` at once: that branch is then disabled
         // for this `select!`, and nothing is held meanwhile (holds are added between
         // batches, by the caller).
+        // Shutdown first, whatever is buffered (it goes back to the queue on close).
+        if token.is_cancelled() {
+            return Ok(None);
+        }
         let mut idle_with_ready = 0;
-        // Whether lapin's buffer is empty now (then whatever is read later arrived later).
+        // Whether lapin's buffer is empty now (then whatever is read later arrived
+        // later); the clock is read before the look, so the stamp is never too new.
+        let looked_at = Instant::now();
         let ready_now = self.consumer.next().now_or_never();
         if ready_now.is_none() {
-            self.empty_at = Instant::now();
+            self.empty_at = looked_at;
         }
         let first = match ready_now {
             Some(next) => {
                 let d = Self::unwrap(next)?;
-                self.unacked.insert(d.delivery_tag, self.empty_at);
+                let arrived = self.arrived(d.delivery_tag);
+                self.unacked.insert(d.delivery_tag, arrived);
                 Some(d)
             }
             None => None,
@@ -204,7 +262,8 @@ impl BatchSource {
                     Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => break d.into_inner(),
                     next = self.consumer.next() => {
                         let d = Self::unwrap(next)?;
-                        self.unacked.insert(d.delivery_tag, self.empty_at);
+                        let arrived = self.arrived(d.delivery_tag);
+                    self.unacked.insert(d.delivery_tag, arrived);
                         break d;
                     }
                     _ = tokio::time::sleep(IDLE_CHECK) => {
@@ -240,7 +299,9 @@ impl BatchSource {
                 Some(d) = std::future::poll_fn(|cx| held.poll_expired(cx)) => batch.push(d.into_inner()),
                 next = self.consumer.next() => {
                     let d = Self::unwrap(next)?;
-                    self.unacked.insert(d.delivery_tag, self.empty_at);
+                    let arrived =
+                        arrival(&mut self.settled, self.empty_at, self.prefetch, d.delivery_tag);
+                    self.unacked.insert(d.delivery_tag, arrived);
                     batch.push(d);
                 }
                 _ = tokio::time::sleep_until(until) => {
@@ -532,4 +593,32 @@ pub(crate) async fn consume<H: BatchHandler>(
     };
     session.close().await;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::arrival;
+    use std::collections::VecDeque;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[test]
+    fn a_delivery_arrived_no_earlier_than_the_settlement_that_made_room_for_it() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        // Prefetch 2; settlements 1..=3 at 10, 20, 30 ms; the buffer last seen empty
+        // at 5 ms.
+        let mut settled: VecDeque<(u64, Instant)> = [(1, at(10)), (2, at(20)), (3, at(30))].into();
+        // Deliveries 1 and 2 fit in the prefetch: only the empty buffer bounds them.
+        assert_eq!(arrival(&mut settled, at(5), 2, 2), at(5));
+        // Delivery 4 needed the second settlement.
+        assert_eq!(arrival(&mut settled, at(5), 2, 4), at(20));
+        // Delivery 5 the third; older settlements are dropped on the way.
+        assert_eq!(arrival(&mut settled, at(5), 2, 5), at(30));
+        assert_eq!(settled.len(), 1);
+        // A buffer seen empty later wins.
+        assert_eq!(arrival(&mut settled, at(40), 2, 5), at(40));
+        // A settlement not recorded (forgotten): the empty buffer's bound alone.
+        assert_eq!(arrival(&mut settled, at(5), 2, 9), at(5));
+    }
 }

@@ -452,6 +452,9 @@ pub async fn prune(
             exchange: delay.as_str(),
             routing_key: tier.name(),
         };
+        // Whatever goes wrong from the unbind on (an unbind the broker made but
+        // answered too late included), the queue is bound again (on a fresh channel:
+        // an error closes this one) and kept; the other orphans are still looked at.
         let channel = open(conn).await?;
         let unbind = channel.queue_unbind(
             binding.queue.into(),
@@ -459,10 +462,16 @@ pub async fn prune(
             binding.routing_key.as_str().into(),
             FieldTable::default(),
         );
-        replied("queue.unbind", unbind).await??;
-        // Whatever goes wrong from here, the queue is bound again (on a fresh channel:
-        // an error closes this one) and kept; the other orphans are still looked at.
-        match delete_if_unused(&channel, binding.queue, quorum).await {
+        let unbound = match replied("queue.unbind", unbind).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(BrokerError::amqp("queue.unbind")(e).into()),
+            Err(e) => Err(e.into()),
+        };
+        let checked = match unbound {
+            Ok(()) => delete_if_unused(&channel, binding.queue, quorum).await,
+            Err(e) => Err(e),
+        };
+        match checked {
             Ok(None) => report.deleted.push(q.name.clone()),
             Ok(Some((messages, why))) => {
                 report
@@ -470,7 +479,7 @@ pub async fn prune(
                     .push(rebound(conn, &binding, messages, why).await);
             }
             Err(e) => {
-                let why = format!("the check after unbinding failed ({e})");
+                let why = format!("unbinding it or the check after failed ({e})");
                 report.kept.push(rebound(conn, &binding, 0, why).await);
             }
         }

@@ -6,7 +6,7 @@
 -- and the holder renews it inside each page's transaction, which also fences the
 -- page's writes: a leader whose lease expired or was taken over (the epoch moved on)
 -- writes nothing.
-CREATE TABLE leader_leases (
+CREATE TABLE lapse_leader_leases (
     name       text PRIMARY KEY,
     holder     text NOT NULL,
     epoch      bigint NOT NULL CHECK (epoch > 0),
