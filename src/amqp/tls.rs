@@ -111,13 +111,25 @@ impl TlsFiles {
         // Unreadable entries of the system store are skipped, as every TLS client does.
         let native = rustls_native_certs::load_native_certs();
         roots.add_parsable_certificates(native.certs);
+        self.add_ca(&mut roots)?;
+        Ok(roots)
+    }
+
+    /// Only the CA file's certificates (none without one).
+    pub fn ca_roots(&self) -> Result<rustls::RootCertStore, TlsError> {
+        let mut roots = rustls::RootCertStore::empty();
+        self.add_ca(&mut roots)?;
+        Ok(roots)
+    }
+
+    fn add_ca(&self, roots: &mut rustls::RootCertStore) -> Result<(), TlsError> {
         if let Some(pem) = &self.ca_pem {
             let extra = CertificateDer::pem_slice_iter(pem.as_bytes())
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TlsError::Setup(e.to_string()))?;
             roots.add_parsable_certificates(extra);
         }
-        Ok(roots)
+        Ok(())
     }
 
     /// A rustls client configuration with the same trust and identity, for HTTPS.

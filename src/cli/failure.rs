@@ -156,6 +156,15 @@ pub fn database(e: &tokio_postgres::Error) -> Option<Failure> {
              sslrootcert, and with verify-full name the host in database.url"
         ));
     }
+    if e.to_string().starts_with("error performing TLS handshake")
+        && !e.to_string().contains("server does not support TLS")
+    {
+        let cause = std::error::Error::source(e).map_or_else(|| e.to_string(), |s| s.to_string());
+        return usage(format!(
+            "database.url: the TLS handshake with the database server failed ({cause}); check \
+             sslmode and the server's TLS settings"
+        ));
+    }
     if e.to_string().contains("server does not support TLS") {
         return usage(format!(
             "database.url asks for TLS (sslmode), but the database server does not offer it ({e})"

@@ -90,10 +90,11 @@ pub(super) fn validate(database: &DatabaseConfig) -> Result<(), ConfigError> {
     }
     let mut seen: HashMap<Place, usize> = HashMap::new();
     for (i, url) in urls.iter().enumerate() {
-        let parsed = super::pg_tls::split(url.expose())
-            .ok()
-            .and_then(|(rest, _)| tokio_postgres::Config::from_str(&rest).ok());
-        let Some(pg) = parsed else {
+        let rest = match super::pg_tls::split(url.expose()) {
+            Ok((rest, _)) => rest,
+            Err(problem) => return bad(format!("shard {i}: {problem}")),
+        };
+        let Ok(pg) = tokio_postgres::Config::from_str(&rest) else {
             return bad(format!(
                 "shard {i} is not a valid postgres:// URL or key=value string"
             ));

@@ -4,6 +4,7 @@
 //! once apply each migration exactly once.
 
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
@@ -148,6 +149,8 @@ impl DbError {
 fn postgres_transient(e: &tokio_postgres::Error) -> bool {
     match e.code() {
         Some(code) => transient_sqlstate(code.code()),
+        // A certificate the server presents is rejected again on every try.
+        None if crate::amqp::tls::is_certificate_error(e) => false,
         None => e.is_closed() || caused_by_io(e) || is_client_timeout(e),
     }
 }
@@ -199,6 +202,8 @@ fn is_client_timeout(e: &tokio_postgres::Error) -> bool {
 pub struct PgTarget {
     config: tokio_postgres::Config,
     tls: tls::PgTls,
+    /// Built on first use and shared by every connection made from this target.
+    connector: Arc<OnceLock<tokio_postgres_rustls::MakeRustlsConnect>>,
 }
 
 impl std::ops::Deref for PgTarget {
@@ -218,8 +223,12 @@ impl PgTarget {
     /// The TLS connector of this target (plain TCP is used when `sslmode` is
     /// `disable`, the default).
     pub fn connector(&self) -> Result<tokio_postgres_rustls::MakeRustlsConnect, DbError> {
-        tls::connector(&self.tls)
-            .map_err(|e| DbError::Config(format!("database.url: sslrootcert: {e}")))
+        if let Some(built) = self.connector.get() {
+            return Ok(built.clone());
+        }
+        let built = tls::connector(&self.tls)
+            .map_err(|e| DbError::Config(format!("TLS (sslmode, sslrootcert): {e}")))?;
+        Ok(self.connector.get_or_init(|| built).clone())
     }
 }
 
@@ -228,9 +237,14 @@ impl PgTarget {
 pub fn pg_config(url: &Secret) -> Result<PgTarget, DbError> {
     let (rest, tls) = tls::split(url.expose())
         .map_err(|problem| DbError::Config(format!("database.url: {problem}")))?;
-    let config = tokio_postgres::Config::from_str(&rest)
+    let mut config = tokio_postgres::Config::from_str(&rest)
         .map_err(|_| DbError::Config("database.url is not a valid PostgreSQL URL".into()))?;
-    Ok(PgTarget { config, tls })
+    config.ssl_mode(tls.mode.driver());
+    Ok(PgTarget {
+        config,
+        tls,
+        connector: Arc::default(),
+    })
 }
 
 /// A pool of `size` connections to `database.url`; connections are opened lazily.

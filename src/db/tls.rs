@@ -1,19 +1,6 @@
 //! TLS towards PostgreSQL: `sslmode` and `sslrootcert` in `database.url` (and in every
 //! `database.shards` entry), with rustls and the broker's trust code. The URL is read
-//! by [`crate::config::pg_tls`].
-//!
-//! tokio-postgres reads `sslmode` only as `disable`, `prefer` or `require`, and refuses
-//! `sslrootcert`: lapse takes both out of the URL, tells the driver `disable` or
-//! `require` (or `prefer`), and verifies the server's certificate itself as libpq
-//! would:
-//! - no `sslmode`, or `disable`: plain TCP (what lapse always did; libpq's default,
-//!   `prefer`, is available by naming it);
-//! - `prefer`, `require`: encrypted; the certificate is not checked (as libpq), unless
-//!   `sslrootcert` is given, which makes `require` behave like `verify-ca`;
-//! - `verify-ca`: the certificate must chain to a trusted root;
-//! - `verify-full`: that, and it must name the host connected to.
-//!
-//! Trusted roots are the system's plus the `sslrootcert` file (PEM), as for the broker.
+//! by [`crate::config::pg_tls`]; what each mode checks is [`connector`]'s.
 
 use std::sync::Arc;
 
@@ -24,36 +11,52 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 
 use crate::amqp::tls::{TlsError, TlsFiles};
-pub use crate::config::pg_tls::{PgTls, SslMode, split};
+pub use crate::config::pg_tls::{PgTls, Roots, SslMode, split};
 
 /// The connector every connection to a database with these TLS settings uses.
+/// Trust as libpq: `sslrootcert=<file>` trusts only that file, whatever the mode;
+/// `verify-full` without it (or with `sslrootcert=system`) the system's roots;
+/// `prefer` and `require` without it check nothing.
 pub fn connector(tls: &PgTls) -> Result<tokio_postgres_rustls::MakeRustlsConnect, TlsError> {
-    {
-        let this = tls;
-        let files = TlsFiles::load(this.root_cert.as_deref(), None, None)?;
-        let mut config = files.client_config()?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let chain = || {
-            WebPkiServerVerifier::builder_with_provider(Arc::new(files.roots()?), provider.clone())
-                .build()
-                .map_err(|e| TlsError::Setup(e.to_string()))
-        };
-        let verify_ca = this.mode == SslMode::VerifyCa
-            || (matches!(this.mode, SslMode::Require | SslMode::Prefer)
-                && this.root_cert.is_some());
-        if verify_ca {
-            let verifier = ChainOnly { inner: chain()? };
-            config
-                .dangerous()
-                .set_certificate_verifier(Arc::new(verifier));
-        } else if matches!(this.mode, SslMode::Require | SslMode::Prefer) {
-            let verifier = Unchecked { provider };
-            config
-                .dangerous()
-                .set_certificate_verifier(Arc::new(verifier));
-        }
-        Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let bare = || {
+        rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Setup(e.to_string()))
+            .map(|b| {
+                b.with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth()
+            })
+    };
+    // Plain TCP: the connector is never used, so nothing is read for it.
+    let mut config = bare()?;
+    if tls.mode == SslMode::Disable {
+        return Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config));
     }
+    let roots = match &tls.roots {
+        Roots::File(path) => Some(TlsFiles::load(Some(path), None, None)?.ca_roots()?),
+        Roots::System => Some(TlsFiles::default().roots()?),
+        Roots::Unset if tls.mode == SslMode::VerifyFull => Some(TlsFiles::default().roots()?),
+        Roots::Unset => None,
+    };
+    let verifier: Arc<dyn ServerCertVerifier> = match roots {
+        None => Arc::new(Unchecked {
+            provider: provider.clone(),
+        }),
+        Some(roots) => {
+            let chain =
+                WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                    .build()
+                    .map_err(|e| TlsError::Setup(e.to_string()))?;
+            if tls.mode == SslMode::VerifyFull {
+                chain
+            } else {
+                Arc::new(ChainOnly { inner: chain })
+            }
+        }
+    };
+    config.dangerous().set_certificate_verifier(verifier);
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
 /// `verify-ca`: the chain to a trusted root is checked, not the name in it.

@@ -2,8 +2,8 @@
 //! certificate for `localhost` signed by a CA the test makes. `sslmode` and
 //! `sslrootcert` in `database.url` are honoured as libpq does: `require` encrypts,
 //! `verify-ca` checks the chain, `verify-full` the chain and the host name; a rejected
-//! certificate is a configuration error (exit 2) naming `database.url`. The pipeline
-//! runs over `require`.
+//! certificate is a configuration error (exit 2) naming `database.url`, for a command
+//! and a starting worker alike. The pipeline runs over `verify-full`.
 
 use std::time::Duration;
 
@@ -73,6 +73,15 @@ async fn sslmode_and_sslrootcert_are_honoured_and_the_pipeline_runs_over_tls() {
     let (code, text) = migrate(&env, &at("localhost", "sslmode=verify-full"));
     assert_eq!(code, Some(2), "{text}");
     assert!(text.contains("certificate was rejected"), "{text}");
+    // A worker does not retry a rejected certificate for ever: it stops, exit 2.
+    let child = crate::helpers::spawn_worker(&env, &[]);
+    let (code, text) = crate::helpers::exit_of(child).await;
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("certificate was rejected"), "{text}");
+    // verify-ca against every public CA would prove nothing: refused at start.
+    let (code, text) = migrate(&env, &at("127.0.0.1", "sslmode=verify-ca"));
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("needs sslrootcert"), "{text}");
     // A CA file that is not one.
     let (code, text) = migrate(
         &env,
