@@ -9,6 +9,7 @@ use lapse::redact::redact;
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    restore_sigpipe();
     lapse::redact::install_panic_hook();
     let cli = Cli::parse();
     if let Err(error) = lapse::observe::telemetry::try_init_with_default(cli.default_log_level()) {
@@ -22,5 +23,17 @@ async fn main() -> ExitCode {
             eprintln!("error: {}", failure.message);
             ExitCode::from(failure.status as u8)
         }
+    }
+}
+
+/// Rust ignores SIGPIPE, so printing into a pipe whose reader is gone
+/// (`lapse order show 7 | head -1`) fails, and `println!` panics. A command-line
+/// tool should end quietly there, as other Unix tools do: restore the default action.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in `main`, before any other thread exists; setting a
+    // signal's disposition to its default has no other precondition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

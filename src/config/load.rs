@@ -52,13 +52,17 @@ pub const BENCH_WORKER_LOG_VAR: &str = "LAPSE_BENCH_WORKER_LOG";
 /// telemetry setup (and `lapse bench`, for its workers) reads them.
 pub const LOG_ENV_VARS: [&str; 3] = [LOG_VAR, LOG_FORMAT_VAR, BENCH_WORKER_LOG_VAR];
 
+/// The configuration file, like `--config` (which wins).
+pub const CONFIG_VAR: &str = "LAPSE_CONFIG";
+
 /// The `LAPSE_<SECTION>__<KEY>` overrides: every `LAPSE_` variable except the logging
-/// ones ([`LOG_ENV_VARS`]).
+/// ones ([`LOG_ENV_VARS`]) and [`CONFIG_VAR`].
 pub fn env() -> Env {
     Env::prefixed("LAPSE_")
         .filter(|key| {
             !LOG_ENV_VARS
                 .iter()
+                .chain([&CONFIG_VAR])
                 .any(|var| var.strip_prefix("LAPSE_").is_some_and(|v| key == v))
         })
         .split("__")

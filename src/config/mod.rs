@@ -37,7 +37,7 @@ impl ConfigError {
 
 pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
-pub use load::{BENCH_WORKER_LOG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
+pub use load::{BENCH_WORKER_LOG_VAR, CONFIG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
 pub use shards::{MAX_SHARDS, Shard};
 

@@ -275,3 +275,50 @@ async fn the_logging_variables_work_and_are_not_configuration_keys() {
         assert!(stderr(&out).contains(var), "{var}: {}", stderr(&out));
     }
 }
+
+/// `LAPSE_CONFIG` names the configuration file as `--config` does (which wins); it is
+/// not read as a configuration key.
+#[test]
+fn lapse_config_names_the_file_and_config_wins_over_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let from_var = dir.path().join("from-var.toml");
+    let from_flag = dir.path().join("from-flag.toml");
+    std::fs::write(&from_var, "[broker]\nprefix = \"named-by-the-variable\"\n").unwrap();
+    std::fs::write(&from_flag, "[broker]\nprefix = \"named-by-the-flag\"\n").unwrap();
+    let var = from_var.to_str().unwrap();
+    let out = run_lapse(&["topology", "plan", "--json"], &[("LAPSE_CONFIG", var)]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("named-by-the-variable."), "{text}");
+    let flag = from_flag.to_str().unwrap();
+    let out = run_lapse(
+        &["--config", flag, "topology", "plan", "--json"],
+        &[("LAPSE_CONFIG", var)],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("named-by-the-flag."));
+}
+
+/// Output into a pipe whose reader is gone (`lapse ... | head -1`) ends the command
+/// quietly, as other Unix tools do, instead of a panic.
+#[test]
+fn a_closed_pipe_ends_the_output_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lapse"))
+        .args(["topology", "plan"])
+        .env_remove("LAPSE_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the command has written anything.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        out.status.success() || out.status.signal() == Some(13),
+        "ends quietly (or killed by SIGPIPE): {:?} {err}",
+        out.status
+    );
+}
