@@ -514,3 +514,13 @@ pub fn releaser_only(config: &Config) -> Config {
     c.worker.releaser = true;
     c
 }
+
+/// Sends signal `name` (`STOP`, `CONT`, `TERM`, ...) to a child process.
+pub fn signal(child: &tokio::process::Child, name: &str) {
+    let pid = child.id().expect("running").to_string();
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name} {pid}");
+}

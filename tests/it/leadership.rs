@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lapse::orders::Line;
 
-use crate::helpers::{TestEnv, count, create_orders, eventually, lapse_process};
+use crate::helpers::{TestEnv, count, create_orders, eventually, lapse_process, signal};
 
 /// Orders only the sweeper can close (their timeout intents are lost).
 const ORDERS: i64 = 40;
@@ -33,15 +33,6 @@ fn sweeping_worker(env: &TestEnv) -> tokio::process::Child {
         .kill_on_drop(true)
         .spawn()
         .unwrap()
-}
-
-fn signal(child: &tokio::process::Child, name: &str) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{name} {pid}");
 }
 
 async fn closed(db: &tokio_postgres::Client) -> i64 {

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::endpoints::{free_port, get};
 use crate::helpers::{
-    TestEnv, assert_never_early, count, create_orders, eventually, wait_released,
+    TestEnv, assert_never_early, count, create_orders, eventually, signal, wait_released,
 };
 
 /// `lapse worker` with this env's config; stderr (the logs) is kept only when
@@ -43,13 +43,30 @@ fn worker(
     cmd.spawn().unwrap()
 }
 
-fn signal(child: &tokio::process::Child, name: &str) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{name} {pid}");
+/// Waits until the due and the stock-release queues each have `n` consumers.
+async fn consumers_on_both_queues(
+    env: &TestEnv,
+    channel: &lapin::Channel,
+    n: u32,
+    limit: Duration,
+) {
+    for queue in [env.names().due_queue(), env.names().stock_release_queue()] {
+        eventually(limit, "the workers consuming", || async {
+            let q = channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .ok()?;
+            (q.consumer_count() == n).then_some(())
+        })
+        .await;
+    }
 }
 
 async fn stderr_of(child: tokio::process::Child) -> (Option<i32>, String) {
@@ -156,28 +173,8 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     let frozen = worker(&env, &["--no-sweeper", "--no-relay"], &[], false);
     let healthy = worker(&env, &["--no-sweeper"], &[], false);
     let channel = env.conn.create_channel().await.unwrap();
-    for queue in [env.names().due_queue(), env.names().stock_release_queue()] {
-        eventually(
-            // Generous: two processes start beside other tests' private nodes.
-            Duration::from_secs(90),
-            "both workers consuming",
-            || async {
-                let q = channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        QueueDeclareOptions {
-                            passive: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .ok()?;
-                (q.consumer_count() == 2).then_some(())
-            },
-        )
-        .await;
-    }
+    // Generous: two processes start beside other tests' private nodes.
+    consumers_on_both_queues(&env, &channel, 2, Duration::from_secs(90)).await;
 
     let lines = [Line {
         sku: "frozen-widget".into(),
@@ -224,27 +221,7 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     // Woken up mid-batch, it finds its connections gone (a confirm it waited for can
     // take `broker.confirm_timeout`): stopped once it consumes again, its shutdown is a
     // drained one.
-    for queue in [env.names().due_queue(), env.names().stock_release_queue()] {
-        eventually(
-            Duration::from_secs(60),
-            "the woken worker consuming again",
-            || async {
-                let q = channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        QueueDeclareOptions {
-                            passive: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await
-                    .ok()?;
-                (q.consumer_count() == 2).then_some(())
-            },
-        )
-        .await;
-    }
+    consumers_on_both_queues(&env, &channel, 2, Duration::from_secs(60)).await;
     assert_never_early(&db).await;
     let twice = count(
         &db,
