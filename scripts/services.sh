@@ -29,6 +29,15 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
   apt_install --no-install-recommends prometheus
 fi
 
+# --- PgBouncer: installed only (tests/it/pooler.rs runs its own, in transaction mode) -
+if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+  log "installing PgBouncer from Debian's packages (not started here)"
+  apt_install --no-install-recommends pgbouncer
+  # The package starts a system instance on :6432; the tests do not use it.
+  as_root systemctl disable --now pgbouncer >/dev/null 2>&1 \
+    || as_root service pgbouncer stop >/dev/null 2>&1 || true
+fi
+
 if port_open "$PG_PORT" && port_open "$AMQP_PORT" && port_open "$MGMT_PORT"; then
   log "PostgreSQL :$PG_PORT, RabbitMQ :$AMQP_PORT and management :$MGMT_PORT are up"
   exit 0

@@ -6,8 +6,6 @@
 //! status guard); only a row this statement changed gets release rows; a row locked
 //! by someone else defers only its own order (`SKIP LOCKED`), never the batch.
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
 use tokio_postgres::Transaction;
 
@@ -148,9 +146,10 @@ pub struct CloseReport {
 }
 
 /// Closes every candidate that is still UNPAID, of the same version and due, in
-/// `tx`. Rows locked by another transaction are skipped and reported; waits for any
-/// other lock are bounded by `lock_timeout` (an error the caller retries), and `tx`
-/// is a short transaction from here on ([`crate::db::short_transaction`]).
+/// `tx`. Rows locked by another transaction are skipped and reported. `tx` must be a
+/// short transaction whose waits for any other lock are bounded by the caller's lock
+/// timeout (opened with [`crate::db::begin_short`]; a timeout is an error the caller
+/// retries).
 ///
 /// `closed_at` is the real clock at the moment of the close (`clock_timestamp()`), not
 /// the transaction's start, so lateness is reported honestly; the guard compares with
@@ -159,7 +158,6 @@ pub async fn close_due(
     tx: &Transaction<'_>,
     candidates: &[Candidate],
     reason: CloseReason,
-    lock_timeout: Duration,
 ) -> Result<CloseReport, DbError> {
     if candidates.is_empty() {
         return Ok(CloseReport::default());
@@ -167,7 +165,6 @@ pub async fn close_due(
     let ids: Vec<i64> = candidates.iter().map(|c| c.order_id).collect();
     let versions: Vec<i32> = candidates.iter().map(|c| c.deadline_version).collect();
     let hops: Vec<i32> = candidates.iter().map(|c| c.hops).collect();
-    crate::db::short_transaction(tx, Some(lock_timeout)).await?;
     let rows = tx
         .query(CLOSE_SQL, &[&ids, &versions, &hops, &reason.as_str()])
         .await?;

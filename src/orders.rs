@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_postgres::GenericClient;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
 
 use crate::db::{DbError, column};
 use crate::deadline::ceil_millis;
@@ -99,9 +100,9 @@ pub async fn ensure_stock<C: GenericClient>(
     initial: i64,
 ) -> Result<(), DbError> {
     client
-        .execute(
+        .execute_typed(
             "INSERT INTO stock (sku, available) SELECT unnest($1::text[]), $2 ON CONFLICT DO NOTHING",
-            &[&skus, &initial],
+            &[(&skus, Type::TEXT_ARRAY), (&initial, Type::INT8)],
         )
         .await?;
     Ok(())
@@ -118,9 +119,13 @@ pub async fn create<C: GenericClient>(
     let (at, in_ms) = deadline.sql_params()?;
     let lines = json!(lines);
     let row = client
-        .query_one(
+        .query_typed_one(
             &format!("SELECT lapse_create_order({DEADLINE_SQL}, $3::jsonb) AS id"),
-            &[&at, &in_ms, &lines],
+            &[
+                (&at, Type::TIMESTAMPTZ),
+                (&in_ms, Type::INT8),
+                (&lines, Type::JSONB),
+            ],
         )
         .await
         .map_err(deadline_error)?;
@@ -138,9 +143,13 @@ pub async fn extend<C: GenericClient>(
 ) -> Result<Option<i32>, DbError> {
     let (at, in_ms) = deadline.sql_params()?;
     let row = client
-        .query_one(
+        .query_typed_one(
             &format!("SELECT lapse_extend_deadline($3, {DEADLINE_SQL}) AS version"),
-            &[&at, &in_ms, &id.0],
+            &[
+                (&at, Type::TIMESTAMPTZ),
+                (&in_ms, Type::INT8),
+                (&id.0, Type::INT8),
+            ],
         )
         .await
         .map_err(deadline_error)?;
@@ -167,7 +176,10 @@ pub enum PayOutcome {
 /// LP003) and nothing changes.
 pub async fn pay<C: GenericClient>(client: &C, id: OrderId) -> Result<PayOutcome, DbError> {
     let row = client
-        .query_one("SELECT lapse_pay_order($1) AS outcome", &[&id.0])
+        .query_typed_one(
+            "SELECT lapse_pay_order($1) AS outcome",
+            &[(&id.0, Type::INT8)],
+        )
         .await
         .map_err(crate::db::refusal)?;
     let outcome: String = column(&row, "outcome")?;
@@ -202,12 +214,12 @@ pub struct OrderView {
 // Over 60 lines on purpose: one read and one struct literal; the length is the fields.
 pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<OrderView>, DbError> {
     let Some(row) = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT status, created_at, expire_at, deadline_version, paid_at, closed_at, close_reason,
                     (SELECT count(*) FROM late_payments WHERE order_id = $1) AS late_payments,
                     expire_at::text AS raw
                FROM orders WHERE id = $1",
-            &[&id.0],
+            &[(&id.0, Type::INT8)],
         )
         .await?
     else {
@@ -223,9 +235,9 @@ pub async fn show<C: GenericClient>(client: &C, id: OrderId) -> Result<Option<Or
             ))
         })?;
     let lines = client
-        .query(
+        .query_typed(
             "SELECT sku, qty FROM order_lines WHERE order_id = $1 ORDER BY sku",
-            &[&id.0],
+            &[(&id.0, Type::INT8)],
         )
         .await?
         .iter()
@@ -272,7 +284,7 @@ async fn json_rows<C: GenericClient>(
     id: OrderId,
 ) -> Result<Vec<Value>, DbError> {
     client
-        .query(sql, &[&id.0])
+        .query_typed(sql, &[(&id.0, Type::INT8)])
         .await?
         .iter()
         .map(|r| column(r, "entry"))
@@ -288,10 +300,10 @@ pub async fn extend_by<C: GenericClient>(
 ) -> Result<Option<i32>, DbError> {
     let by_ms = ceil_millis(by).map_err(invalid)?;
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT lapse_extend_deadline(id, expire_at + $2::bigint * interval '1 millisecond') AS version
                FROM orders WHERE id = $1",
-            &[&id.0, &by_ms],
+            &[(&id.0, Type::INT8), (&by_ms, Type::INT8)],
         )
         .await
         .map_err(deadline_error)?;

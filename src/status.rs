@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
 
 use crate::amqp::broker::{self, BrokerError};
 use crate::amqp::topology::{QueueRole, Topology};
@@ -148,7 +149,7 @@ pub async fn order_figures<C: GenericClient>(
 ) -> Result<ShardStatus, StatusError> {
     let sane = crate::deadline::in_range_sql("expire_at");
     let overdue = db
-        .query_one(
+        .query_typed_one(
             &format!(
                 "SELECT count(*) FILTER (WHERE {sane}) AS overdue,
                         extract(epoch FROM now() - min(expire_at) FILTER (WHERE {sane}))::float8 * 1000 AS oldest_ms,
@@ -160,7 +161,7 @@ pub async fn order_figures<C: GenericClient>(
         .await
         .map_err(DbError::from)?;
     let outbox = db
-        .query_one(
+        .query_typed_one(
             "SELECT count(*) AS waiting,
                     extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000 AS oldest_ms,
                     count(*) FILTER (WHERE attempts > 0) AS retrying
@@ -170,7 +171,7 @@ pub async fn order_figures<C: GenericClient>(
         .await
         .map_err(DbError::from)?;
     let recent = db
-        .query_one(
+        .query_typed_one(
             &format!(
                 "SELECT count(*) AS closes, count(*) FILTER (WHERE close_reason = 'sweeper') AS swept,
                         percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50_ms,
@@ -179,7 +180,7 @@ pub async fn order_figures<C: GenericClient>(
                            FROM orders
                           WHERE closed_at > now() - $1::bigint * interval '1 minute' AND {sane}) r"
             ),
-            &[&RECENT_MINUTES],
+            &[(&RECENT_MINUTES, Type::INT8)],
         )
         .await
         .map_err(DbError::from)?;
@@ -188,13 +189,16 @@ pub async fn order_figures<C: GenericClient>(
     let grace_ms = i64::try_from(release_grace.as_millis()).unwrap_or(i64::MAX);
     // Served by the small partial index `orders_unreleased`.
     let missing = db
-        .query_one(
+        .query_typed_one(
             "SELECT count(*) AS missing, extract(epoch FROM now() - min(closed_at))::float8 * 1000 AS oldest_ms,
                     count(*) FILTER (WHERE release_repairs >= $2) AS exhausted
                FROM orders
               WHERE status = 'CLOSED' AND released_at IS NULL
                 AND closed_at < now() - $1::bigint * interval '1 millisecond'",
-            &[&grace_ms, &crate::components::reconciler::MAX_REPAIRS],
+            &[
+                (&grace_ms, Type::INT8),
+                (&crate::components::reconciler::MAX_REPAIRS, Type::INT4),
+            ],
         )
         .await
         .map_err(DbError::from)?;

@@ -53,10 +53,13 @@ pub async fn record_hops<C: GenericClient>(
         .map(|h| serde_json::to_value(h).unwrap_or_default())
         .collect();
     client
-        .execute(
+        .execute_typed(
             "INSERT INTO order_events (order_id, event, detail)
              SELECT id, 'hop', d FROM unnest($1::bigint[], $2::jsonb[]) AS x(id, d)",
-            &[&ids, &details],
+            &[
+                (&ids, tokio_postgres::types::Type::INT8_ARRAY),
+                (&details, tokio_postgres::types::Type::JSONB_ARRAY),
+            ],
         )
         .await?;
     Ok(())

@@ -121,38 +121,38 @@ pub async fn run(config: &Config, shard: u16, command: OrderCommand) -> anyhow::
         return Ok(ExitStatus::Usage);
     };
     let pool = db::pool(&config.database.for_shard(chosen), 1)?;
-    let mut client = pool.get().await?;
     match command {
         OrderCommand::Create {
             expires_in,
             lines,
             count,
             json,
-        } => create(config, &mut client, expires_in, &lines, count, json).await,
-        OrderCommand::Pay { id, json } => pay(&client, id, json).await,
-        OrderCommand::Extend { id, by, json } => extend(&client, id, by, json).await,
-        OrderCommand::Show { id, json } => show(&client, id, json).await,
+        } => create(config, &pool, expires_in, &lines, count, json).await,
+        OrderCommand::Pay { id, json } => pay(&pool, id, json).await,
+        OrderCommand::Extend { id, by, json } => extend(&pool, id, by, json).await,
+        OrderCommand::Show { id, json } => show(&pool, id, json).await,
     }
 }
 
 /// `order create`: `count` orders in transactions of [`CREATE_CHUNK`].
 async fn create(
     config: &Config,
-    client: &mut deadpool_postgres::Client,
+    pool: &db::Pool,
     expires_in: Duration,
     lines: &[Line],
     count: u32,
     json: bool,
 ) -> anyhow::Result<ExitStatus> {
     let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
-    orders::ensure_stock(&***client, &skus, config.orders.initial_stock).await?;
+    let mut client = pool.get().await?;
+    orders::ensure_stock(&**client, &skus, config.orders.initial_stock).await?;
     let mut ids = Vec::with_capacity(count as usize);
     let progress = progress_bar(u64::from(count));
     while (ids.len() as u32) < count {
         let chunk = CREATE_CHUNK.min(count - ids.len() as u32);
-        let tx = client.transaction().await?;
+        let tx = db::begin(&mut client, pool.limits()).await?;
         for _ in 0..chunk {
-            match orders::create(&*tx, Deadline::In(expires_in), lines).await {
+            match orders::create(&tx, Deadline::In(expires_in), lines).await {
                 Ok(id) => ids.push(id),
                 Err(e @ db::DbError::Refused(_)) => {
                     eprintln!("{e}; no order of this transaction was created");
@@ -179,12 +179,13 @@ async fn create(
     Ok(ExitStatus::Ok)
 }
 
-async fn pay(
-    client: &deadpool_postgres::Client,
-    id: i64,
-    json: bool,
-) -> anyhow::Result<ExitStatus> {
-    let outcome = orders::pay(&***client, OrderId(id)).await?;
+/// Pay, extend and show run in a transaction of their own: under the pool's limits,
+/// committed before anything is printed.
+async fn pay(pool: &db::Pool, id: i64, json: bool) -> anyhow::Result<ExitStatus> {
+    let mut client = pool.get().await?;
+    let tx = db::begin(&mut client, pool.limits()).await?;
+    let outcome = orders::pay(&tx, OrderId(id)).await?;
+    tx.commit().await?;
     let (status, text) = match outcome {
         PayOutcome::Paid => (ExitStatus::Ok, "paid"),
         PayOutcome::AlreadyPaid => (ExitStatus::Ok, "already paid"),
@@ -206,12 +207,7 @@ async fn pay(
     Ok(status)
 }
 
-async fn extend(
-    client: &deadpool_postgres::Client,
-    id: i64,
-    by: Duration,
-    json: bool,
-) -> anyhow::Result<ExitStatus> {
+async fn extend(pool: &db::Pool, id: i64, by: Duration, json: bool) -> anyhow::Result<ExitStatus> {
     let refused = |reason: String| -> anyhow::Result<ExitStatus> {
         if json {
             print_json(&serde_json::json!({ "id": id, "extended": false, "refused": reason }))?;
@@ -220,7 +216,13 @@ async fn extend(
         }
         Ok(ExitStatus::Failed)
     };
-    match orders::extend_by(&***client, OrderId(id), by).await {
+    let mut client = pool.get().await?;
+    let tx = db::begin(&mut client, pool.limits()).await?;
+    let extended = orders::extend_by(&tx, OrderId(id), by).await;
+    if extended.is_ok() {
+        tx.commit().await?;
+    }
+    match extended {
         Ok(Some(version)) => {
             if json {
                 print_json(&serde_json::json!({
@@ -247,12 +249,12 @@ async fn extend(
     }
 }
 
-async fn show(
-    client: &deadpool_postgres::Client,
-    id: i64,
-    json: bool,
-) -> anyhow::Result<ExitStatus> {
-    match orders::show(&***client, OrderId(id)).await {
+async fn show(pool: &db::Pool, id: i64, json: bool) -> anyhow::Result<ExitStatus> {
+    let mut client = pool.get().await?;
+    let tx = db::begin(&mut client, pool.limits()).await?;
+    let shown = orders::show(&tx, OrderId(id)).await;
+    drop(tx);
+    match shown {
         Err(e @ db::DbError::Unreadable(_)) => {
             eprintln!("error: {e}");
             Ok(ExitStatus::Failed)

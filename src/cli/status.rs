@@ -78,7 +78,7 @@ struct Sources<'a> {
     config: &'a Config,
     topology: Topology,
     endpoint: Endpoint,
-    pools: Vec<(Shard, deadpool_postgres::Pool)>,
+    pools: Vec<(Shard, crate::db::Pool)>,
     conn: Option<lapin::Connection>,
 }
 
@@ -146,7 +146,7 @@ impl Sources<'_> {
         let Some(conn) = self.conn.take().filter(|_| down.is_empty()) else {
             return Err(Failure::Unreachable(down));
         };
-        let outcome = self.measure(&conn, &clients, drift).await;
+        let outcome = self.measure(&conn, &mut clients, drift).await;
         // A connection the broker dropped, or one that left a question unanswered
         // (it may stay open and silent), is opened again on the next refresh.
         if outcome.is_ok() && conn.status().connected() {
@@ -158,7 +158,7 @@ impl Sources<'_> {
     async fn measure(
         &self,
         conn: &lapin::Connection,
-        clients: &[(u16, deadpool_postgres::Client)],
+        clients: &mut [(u16, deadpool_postgres::Client)],
         drift: bool,
     ) -> Result<(Status, Option<VerifyReport>), Failure> {
         let grace = self.config.sweeper.release_grace;
@@ -168,8 +168,14 @@ impl Sources<'_> {
             Err(e) => return Err(self.failed(e, None)),
         };
         let mut shards = Vec::new();
-        for (index, client) in clients {
-            match crate::status::order_figures(&***client, *index, grace).await {
+        let limits = crate::db::Limits::of(&self.config.database);
+        for (index, client) in clients.iter_mut() {
+            // Read in a transaction of its own, under the pool's limits.
+            let figures = match crate::db::begin(client, limits).await {
+                Ok(tx) => crate::status::order_figures(&tx, *index, grace).await,
+                Err(e) => Err(e.into()),
+            };
+            match figures {
                 Ok(figures) => shards.push(figures),
                 Err(e) => return Err(self.failed(e, Some(*index))),
             }
@@ -200,6 +206,35 @@ impl Sources<'_> {
                 e.detail()
             )),
         }
+    }
+
+    /// The shards whose relay would not hear the outbox's notifications: a probe sent
+    /// through the pool does not arrive on a LISTEN connection to `relay.listen_url`
+    /// (or the database's URL). A shard that cannot be asked is left out (the
+    /// status itself reports what is unreachable).
+    async fn deaf_shards(&self) -> Vec<u16> {
+        let mut deaf = Vec::new();
+        for (shard, pool) in &self.pools {
+            let url = crate::config::listen_url(self.config.relay.listen_url.as_ref(), shard);
+            if let Ok(false) = crate::components::relay::notifications::arrive(&url, pool).await {
+                deaf.push(shard.index);
+            }
+        }
+        deaf
+    }
+
+    fn deaf_problem(&self, shard: u16) -> Problem {
+        let which = match self.config.database.sharded() {
+            true => format!("shard {shard}: "),
+            false => String::new(),
+        };
+        Problem::new(
+            "relay_notifications",
+            format!(
+                "{which}{}",
+                crate::components::relay::notifications::LOST_ADVICE
+            ),
+        )
     }
 
     async fn close(&mut self) {
@@ -291,11 +326,19 @@ async fn once(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<Ex
             return Ok(ExitStatus::Unreachable);
         }
     };
+    let deaf = sources.deaf_shards().await;
     if !args.check {
         if args.json {
-            print_json(&status)?;
+            let mut shown = serde_json::to_value(&status)?;
+            if let Some(fields) = shown.as_object_mut() {
+                fields.insert("relay_notifications_lost".into(), serde_json::json!(deaf));
+            }
+            print_json(&shown)?;
         } else {
             print!("{}", status.render());
+            for shard in &deaf {
+                println!("warning: {}", sources.deaf_problem(*shard).message);
+            }
         }
         return Ok(ExitStatus::Ok);
     }
@@ -304,7 +347,8 @@ async fn once(sources: &mut Sources<'_>, args: &StatusArgs) -> anyhow::Result<Ex
         outbox: args.max_outbox_age,
         parked: args.max_parked,
     };
-    let found = problems(&status, drift.as_ref(), &limits);
+    let mut found = problems(&status, drift.as_ref(), &limits);
+    found.extend(deaf.iter().map(|shard| sources.deaf_problem(*shard)));
     if args.json {
         print_json(&serde_json::json!({ "ok": found.is_empty(), "problems": found }))?;
     } else {

@@ -119,8 +119,10 @@ SELECT count(*) AS exhausted FROM orders
 /// (when given) hears of progress after every page; `token` ends the pass between
 /// pages and cuts the pause short.
 // Over 60 lines on purpose: one keyset-paged pass (page, stamp, re-emit, count); the cursor and the counters span the loop.
+#[allow(clippy::too_many_arguments)] // The connection and its limits, the lease, the settings, the metrics, the cursor, the watchdog and shutdown: each used on every page.
 pub async fn run_pass(
     client: &mut deadpool_postgres::Client,
+    limits: crate::db::Limits,
     lease: &mut Lease,
     config: &SweeperConfig,
     stats: &Stats,
@@ -148,7 +150,10 @@ pub async fn run_pass(
         }
         pages += 1;
         let (after_at, after_id) = cursor.after.map_or((None, 0), |(at, id)| (Some(at), id));
-        let rows = client
+        // The page is read in the transaction that stamps it: every statement of a
+        // pooled connection runs in a transaction opened under the pool's limits.
+        let tx = crate::db::begin_short(client, limits, None).await?;
+        let rows = tx
             .query(
                 &select,
                 &[&grace_ms, &after_at, &after_id, &config.batch_size],
@@ -169,8 +174,7 @@ pub async fn run_pass(
                 unreadable.push(format!("order {id} ({raw})"));
             }
         }
-        let tx = client.transaction().await?;
-        if !lease.fence(&tx).await? {
+        if !lease.fence(&tx, None).await? {
             report.lost_lead = true;
             break;
         }
@@ -244,11 +248,11 @@ fn millis(d: std::time::Duration) -> i64 {
 /// Re-emitted releases (should be 0): in the last `window_minutes`, and ever.
 pub async fn repairs<C: GenericClient>(db: &C, window_minutes: i64) -> Result<(i64, i64), DbError> {
     let row = db
-        .query_one(
+        .query_typed_one(
             "SELECT count(*) FILTER (WHERE release_repaired_at > now() - $1::bigint * interval '1 minute') AS recent,
                     coalesce(sum(release_repairs), 0)::bigint AS total
                FROM orders WHERE release_repaired_at IS NOT NULL",
-            &[&window_minutes],
+            &[(&window_minutes, tokio_postgres::types::Type::INT8)],
         )
         .await?;
     Ok((column(&row, "recent")?, column(&row, "total")?))

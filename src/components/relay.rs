@@ -17,6 +17,7 @@
 //! other row — other tiers, stock releases — flows past it.
 
 pub mod backlog;
+pub mod notifications;
 mod outgoing;
 pub mod retry;
 
@@ -24,8 +25,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
-use futures_util::StreamExt;
+use crate::db::Pool;
 use lapin::Connection;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
@@ -35,7 +35,7 @@ use crate::amqp::broker::{self, BrokerError, Endpoint, Publisher};
 use crate::amqp::publishing::BlockedWatch;
 use crate::amqp::tier_check::TierCheck;
 use crate::config::{Config, Secret};
-use crate::db::{self, DbError};
+use crate::db::DbError;
 use crate::names::Names;
 use crate::observe::stats::{Outcome, Stats};
 use crate::runtime::backoff::Backoff;
@@ -45,7 +45,7 @@ use crate::tier::{Tier, TierSet};
 use outgoing::RowPublish;
 
 /// The channel the outbox trigger notifies.
-pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
+pub use notifications::OUTBOX_CHANNEL;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -127,7 +127,7 @@ impl Relay {
         publisher: &Publisher,
     ) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
+        let tx = crate::db::begin(&mut client, self.pool.limits()).await?;
         let rows = tx
             .query(
                 "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
@@ -188,7 +188,7 @@ impl Relay {
             &[&later.ids, &later.delay_ms, &later.errors],
         )
         .await?;
-        crate::timeline::record_hops(&*tx, &hops).await?;
+        crate::timeline::record_hops(&tx, &hops).await?;
         tx.commit().await?;
         let stats = self.stats.by("relay");
         stats.record(Outcome::Relayed, sent_ids.len() as u64);
@@ -216,7 +216,7 @@ impl Relay {
     pub async fn run(
         self,
         broker: Endpoint,
-        db_url: Secret,
+        listen_url: Secret,
         poll: Duration,
         health: Health,
         token: CancellationToken,
@@ -226,7 +226,13 @@ impl Relay {
         // stop with `token`, and dropping the set (the supervisor abandoning this
         // instance at the drain limit) aborts them.
         let mut helpers = JoinSet::new();
-        helpers.spawn(listen(db_url, wake.clone(), token.clone()));
+        helpers.spawn(notifications::listen(
+            listen_url,
+            self.pool.clone(),
+            self.shard_label.clone(),
+            wake.clone(),
+            token.clone(),
+        ));
         helpers.spawn(backlog::run(
             self.pool.clone(),
             self.shard_label.clone(),
@@ -333,46 +339,5 @@ async fn wait(wake: &Notify, poll: Duration, token: &CancellationToken) {
         _ = wake.notified() => {}
         _ = tokio::time::sleep(poll) => {}
         _ = token.cancelled() => {}
-    }
-}
-
-/// Keeps a LISTEN connection open and turns notifications into wake-ups.
-async fn listen(db_url: Secret, wake: Arc<Notify>, token: CancellationToken) {
-    let mut backoff = Backoff::new();
-    while !token.is_cancelled() {
-        let config = match db::pg_config(&db_url) {
-            Ok(c) => c,
-            Err(_) => return,
-        };
-        let (client, mut connection) = match db::connect(&config).await {
-            Ok(pair) => pair,
-            Err(e) => {
-                tracing::debug!(error = %e, "relay: LISTEN connection failed; polling meanwhile");
-                backoff.sleep(&token).await;
-                continue;
-            }
-        };
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        let statement = format!("LISTEN {OUTBOX_CHANNEL}");
-        let listen = client.batch_execute(&statement);
-        tokio::pin!(listen);
-        let mut listening = false;
-        loop {
-            tokio::select! {
-                _ = token.cancelled() => return,
-                done = &mut listen, if !listening => {
-                    listening = true;
-                    if done.is_err() { break; }
-                    backoff.reset();
-                    wake.notify_one();
-                }
-                message = messages.next() => match message {
-                    Some(Ok(tokio_postgres::AsyncMessage::Notification(_))) => wake.notify_one(),
-                    Some(Ok(_)) => {}
-                    Some(Err(_)) | None => break,
-                },
-            }
-        }
-        backoff.sleep(&token).await;
     }
 }

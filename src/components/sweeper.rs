@@ -22,8 +22,8 @@
 
 use std::time::Duration;
 
+use crate::db::Pool;
 use chrono::{DateTime, Utc};
-use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 
 use crate::close::{self, Candidate, CloseReason};
@@ -140,7 +140,7 @@ impl Sweeper {
         // Bounded: a database that is away must not eat the shutdown's drain time.
         let release = async {
             match self.pool.get().await {
-                Ok(client) => lease.release(&client).await,
+                Ok(mut client) => lease.release(&mut client, self.pool.limits()).await,
                 Err(e) => Err(e.into()),
             }
         };
@@ -165,13 +165,14 @@ impl Sweeper {
         cursor: &mut reconciler::Cursor,
     ) -> Result<SweepReport, DbError> {
         let mut client = self.pool.get().await?;
-        if !lease.acquire(&mut client).await? {
+        if !lease.acquire(&mut client, self.pool.limits()).await? {
             return Ok(SweepReport::default());
         }
         let mut report = self.sweep(&mut client, lease, busy, token).await?;
         if !token.is_cancelled() && !report.lost_lead {
             let r = reconciler::run_pass(
                 &mut client,
+                self.pool.limits(),
                 lease,
                 &self.config,
                 &self.stats,
@@ -206,6 +207,7 @@ impl Sweeper {
             ..Default::default()
         };
         let grace_ms = deadline::saturating_millis(self.config.grace);
+        let limits = self.pool.limits();
         // The cursor is the last row's id; the database reads its deadline itself, so
         // pagination never depends on decoding a deadline.
         let mut after: Option<i64> = None;
@@ -214,7 +216,10 @@ impl Sweeper {
             if token.is_cancelled() {
                 break;
             }
-            let rows = client
+            // The page is read in the transaction that closes it: every statement of
+            // a pooled connection runs in a transaction opened under the pool's limits.
+            let tx = crate::db::begin_short(client, limits, Some(self.lock_timeout)).await?;
+            let rows = tx
                 .query(
                     "SELECT id, deadline_version, expire_at, expire_at::text AS raw FROM orders
                       WHERE status = 'UNPAID'
@@ -235,13 +240,11 @@ impl Sweeper {
                     Err(reason) => unreadable.push(reason),
                 }
             }
-            let tx = client.transaction().await?;
-            if !lease.fence(&tx).await? {
+            if !lease.fence(&tx, Some(self.lock_timeout)).await? {
                 report.lost_lead = true;
                 break;
             }
-            let done =
-                close::close_due(&tx, &candidates, CloseReason::Sweeper, self.lock_timeout).await?;
+            let done = close::close_due(&tx, &candidates, CloseReason::Sweeper).await?;
             tx.commit().await?;
             let closed = done.closed;
             // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
@@ -286,13 +289,15 @@ impl Sweeper {
             );
         }
         let stuck_ms = deadline::saturating_millis(self.config.stuck_outbox_after);
-        let stuck = client
+        let tx = crate::db::begin(client, limits).await?;
+        let stuck = tx
             .query_one(
                 "SELECT count(*) AS stuck FROM outbox
                   WHERE created_at < clock_timestamp() - $1::bigint * interval '1 millisecond'",
                 &[&stuck_ms],
             )
             .await?;
+        tx.commit().await?;
         report.stuck_outbox = column(&stuck, "stuck")?;
         if report.closed > 0 {
             tracing::warn!(

@@ -39,7 +39,7 @@ pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
 pub use load::{BENCH_WORKER_LOG_VAR, CONFIG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
-pub use shards::{MAX_SHARDS, Shard};
+pub use shards::{ListenUrls, MAX_SHARDS, Shard, listen_url};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -199,6 +199,12 @@ pub struct RelayConfig {
     /// Polling fallback when no notification arrives.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
+    /// Where the relay LISTENs for new outbox rows, when not through the database's
+    /// own URL: a connection pooler in transaction mode loses notifications, so point
+    /// this at the server directly. One URL, or with `database.shards` a list of one
+    /// per shard, in the same order. Unset: the database's own URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen_url: Option<ListenUrls>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -291,6 +297,7 @@ impl Default for Config {
                 tier_tolerance: Duration::from_millis(50),
                 batch_size: 500,
                 poll_interval: Duration::from_millis(500),
+                listen_url: None,
             },
             sweeper: SweeperConfig {
                 interval: Duration::from_secs(30),
@@ -323,6 +330,7 @@ impl Config {
             )
         })?;
         shards::validate(&self.database)?;
+        shards::validate_listen_urls(&self.database, self.relay.listen_url.as_ref())?;
         positive("database.pool_size", self.database.pool_size as u64)?;
         positive("worker.prefetch", u64::from(self.worker.prefetch))?;
         positive("worker.batch_size", self.worker.batch_size as u64)?;

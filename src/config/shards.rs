@@ -6,11 +6,73 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
+
 use super::{ConfigError, DatabaseConfig, Secret};
 
 /// The most shards a configuration may list (a message carries its shard as a small
 /// number; 256 databases is far beyond what one worker process should hold pools for).
 pub const MAX_SHARDS: usize = 256;
+
+/// `relay.listen_url`: one URL for `database.url`, or one per shard.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ListenUrls {
+    One(Secret),
+    Each(Vec<Secret>),
+}
+
+/// The URL the relay of `shard` LISTENs on: `relay.listen_url` when set, else the
+/// shard's own URL.
+pub fn listen_url(listen: Option<&ListenUrls>, shard: &Shard) -> Secret {
+    match listen {
+        Some(ListenUrls::One(url)) => url.clone(),
+        Some(ListenUrls::Each(urls)) => urls
+            .get(usize::from(shard.index))
+            .cloned()
+            .unwrap_or_else(|| shard.url.clone()),
+        None => shard.url.clone(),
+    }
+}
+
+/// `relay.listen_url`: one valid URL per order database.
+pub(super) fn validate_listen_urls(
+    database: &DatabaseConfig,
+    listen: Option<&ListenUrls>,
+) -> Result<(), ConfigError> {
+    let key = "relay.listen_url";
+    let urls: Vec<&Secret> = match (listen, &database.shards) {
+        (None, _) => return Ok(()),
+        (Some(ListenUrls::One(url)), None) => vec![url],
+        (Some(ListenUrls::Each(urls)), Some(shards)) if urls.len() == shards.len() => {
+            urls.iter().collect()
+        }
+        (Some(ListenUrls::Each(urls)), None) if urls.len() == 1 => urls.iter().collect(),
+        (Some(_), Some(shards)) => {
+            return Err(ConfigError::new(
+                key,
+                format!(
+                    "database.shards lists {} databases: give a list of as many URLs, in the same order",
+                    shards.len()
+                ),
+            ));
+        }
+        (Some(ListenUrls::Each(_)), None) => {
+            return Err(ConfigError::new(
+                key,
+                "one URL (database.url is the only order database)",
+            ));
+        }
+    };
+    for url in urls {
+        let (rest, _) =
+            super::pg_tls::split(url.expose()).map_err(|problem| ConfigError::new(key, problem))?;
+        tokio_postgres::Config::from_str(&rest).map_err(|_| {
+            ConfigError::new(key, "not a valid postgres:// URL or key=value string")
+        })?;
+    }
+    Ok(())
+}
 
 /// One order database: its index (what a message carries) and its URL.
 #[derive(Clone, Debug)]

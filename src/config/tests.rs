@@ -423,3 +423,40 @@ fn a_smallest_tier_longer_than_the_hold_limit_is_refused_naming_both() {
         Ok(())
     });
 }
+
+#[test]
+fn relay_listen_url_is_one_url_or_one_per_shard() {
+    Jail::expect_with(|jail| {
+        let shards = "[database]\nshards = [\"postgres://h/a\", \"postgres://h/b\"]\n";
+        let refused = [
+            "[relay]\nlisten_url = \"not a url\"".to_string(),
+            "[relay]\nlisten_url = [\"postgres://h/a\", \"postgres://h/b\"]".to_string(),
+            format!("{shards}[relay]\nlisten_url = \"postgres://h/a\""),
+            format!("{shards}[relay]\nlisten_url = [\"postgres://h/a\"]"),
+            "[relay]\nlisten_url = \"postgres://h/a?sslmode=bogus\"".to_string(),
+        ];
+        for text in refused {
+            jail.create_file("lapse.toml", &text)?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, "relay.listen_url", "{text}");
+        }
+        jail.create_file(
+            "lapse.toml",
+            &format!("{shards}[relay]\nlisten_url = [\"postgres://d/a\", \"postgres://d/b\"]"),
+        )?;
+        let config = load().unwrap();
+        let shard = &config.database.shard_list()[1];
+        let url = crate::config::listen_url(config.relay.listen_url.as_ref(), shard);
+        assert_eq!(url.expose(), "postgres://d/b");
+        jail.create_file("lapse.toml", "[relay]\nlisten_url = \"postgres://d/x\"")?;
+        let config = load().unwrap();
+        let shard = &config.database.shard_list()[0];
+        let url = crate::config::listen_url(config.relay.listen_url.as_ref(), shard);
+        assert_eq!(url.expose(), "postgres://d/x");
+        jail.set_env("LAPSE_RELAY__LISTEN_URL", "postgres://env/y");
+        let config = load().unwrap();
+        let url = crate::config::listen_url(config.relay.listen_url.as_ref(), shard);
+        assert_eq!(url.expose(), "postgres://env/y");
+        Ok(())
+    });
+}

@@ -21,8 +21,6 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::GenericClient;
-
 use super::{DbError, column};
 
 /// How long taking over waits for the lease row's lock (a leader inside a unit's
@@ -66,9 +64,11 @@ impl Lease {
     /// whether we hold it now. A live lease of another holder is not waited for.
     pub async fn acquire(
         &mut self,
-        client: &mut deadpool_postgres::Client,
+        client: &mut tokio_postgres::Client,
+        limits: super::Limits,
     ) -> Result<bool, DbError> {
-        let current = client
+        let tx = super::begin_short(client, limits, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
+        let current = tx
             .query_opt(
                 "SELECT holder, expires_at > clock_timestamp() AS live
                    FROM lapse_leader_leases WHERE name = $1",
@@ -82,8 +82,6 @@ impl Lease {
                 return Ok(false);
             }
         }
-        let tx = client.transaction().await?;
-        super::short_transaction(&tx, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
         let taken = tx
             .query_opt(
                 "INSERT INTO lapse_leader_leases AS l (name, holder, epoch, expires_at)
@@ -118,7 +116,11 @@ impl Lease {
     /// ends. False when the lease is no longer ours in our epoch (taken over after it
     /// expired, or a takeover holds its row): the caller must roll back and stop
     /// leading.
-    pub async fn fence(&mut self, tx: &tokio_postgres::Transaction<'_>) -> Result<bool, DbError> {
+    pub async fn fence(
+        &mut self,
+        tx: &tokio_postgres::Transaction<'_>,
+        then_lock_timeout: Option<Duration>,
+    ) -> Result<bool, DbError> {
         let Some(epoch) = self.epoch else {
             return Ok(false);
         };
@@ -149,22 +151,33 @@ impl Lease {
             self.epoch = None;
             return Ok(false);
         }
-        // The rest of the unit waits for locks as long as it would have.
-        tx.batch_execute("SET LOCAL lock_timeout TO DEFAULT")
-            .await?;
+        // The rest of the unit waits for locks as long as the caller says.
+        let rest = match then_lock_timeout {
+            Some(limit) => format!(
+                "SET LOCAL lock_timeout = {}",
+                limit.as_millis().clamp(1, i32::MAX.unsigned_abs().into())
+            ),
+            None => "SET LOCAL lock_timeout TO DEFAULT".into(),
+        };
+        tx.batch_execute(&rest).await?;
         Ok(true)
     }
 
     /// Gives the lease up (on shutdown), so another worker can lead at once.
-    pub async fn release(&mut self, client: &impl GenericClient) -> Result<(), DbError> {
+    pub async fn release(
+        &mut self,
+        client: &mut tokio_postgres::Client,
+        limits: super::Limits,
+    ) -> Result<(), DbError> {
         if let Some(epoch) = self.epoch.take() {
-            client
-                .execute(
-                    "UPDATE lapse_leader_leases SET expires_at = clock_timestamp()
+            let tx = super::begin_short(client, limits, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
+            tx.execute(
+                "UPDATE lapse_leader_leases SET expires_at = clock_timestamp()
                       WHERE name = $1 AND holder = $2 AND epoch = $3",
-                    &[&self.name, &self.holder, &epoch],
-                )
-                .await?;
+                &[&self.name, &self.holder, &epoch],
+            )
+            .await?;
+            tx.commit().await?;
         }
         Ok(())
     }

@@ -1,23 +1,24 @@
 //! PostgreSQL: connection pools, database creation and schema migrations.
 //!
-//! Invariant: migrations run under an advisory lock, so several workers starting at
-//! once apply each migration exactly once.
+//! Invariant: migrations run under a transaction-level advisory lock, so several
+//! workers starting at once apply each migration exactly once, directly or through a
+//! connection pooler in transaction mode.
 
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-
-use crate::config::{DatabaseConfig, Secret};
+use crate::config::Secret;
 
 refinery::embed_migrations!("migrations");
 
 mod lease;
+mod pool;
 mod position;
 mod shards;
 pub mod tls;
 pub use lease::Lease;
+pub use pool::{Limits, Pool, SHORT_TRANSACTION_IDLE, begin, begin_short, pool, short_transaction};
 pub use position::{
     SchemaState, check as check_position, check_list, recorded_position, schema_state,
 };
@@ -28,7 +29,9 @@ pub const MIGRATION_LOCK: i64 = 0x006c_6170_7365;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("database error: {0}")]
+    /// Shown with the server's own message and SQLSTATE when there is one (the
+    /// driver's `Display` of a server error is only "db error").
+    #[error("database error: {}", postgres_detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("database pool error: {0}")]
     Pool(#[from] deadpool_postgres::PoolError),
@@ -156,19 +159,22 @@ fn postgres_transient(e: &tokio_postgres::Error) -> bool {
 }
 
 impl DbError {
-    /// The error with the server's own message and SQLSTATE when there is one (the
-    /// `Display` of a server error is only "db error"), for logs and park reasons.
+    /// The error as logs and park reasons show it (the server's message and SQLSTATE
+    /// are part of the `Display` of every variant that has them).
     pub fn detail(&self) -> String {
-        match self {
-            DbError::Postgres(e) => match e.as_db_error() {
-                Some(db) => format!("{}: {} (SQLSTATE {})", self, db.message(), db.code().code()),
-                None => match std::error::Error::source(e) {
-                    Some(cause) => format!("{self}: {cause}"),
-                    None => self.to_string(),
-                },
-            },
-            _ => self.to_string(),
-        }
+        self.to_string()
+    }
+}
+
+/// A driver error with the server's message and SQLSTATE, or the cause of a client-side
+/// error (an I/O error, a TLS failure), instead of the driver's bare "db error".
+fn postgres_detail(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => match std::error::Error::source(e) {
+            Some(cause) => format!("{e}: {cause}"),
+            None => e.to_string(),
+        },
     }
 }
 
@@ -178,13 +184,16 @@ impl DbError {
 /// down or starting up (57P), system errors (58), `lock_not_available` (55P03),
 /// `query_canceled` (57014, e.g. `statement_timeout`) and `read_only_sql_transaction`
 /// (25006: a standby, or a primary demoted during a failover, refuses writes until the
-/// pool reaches the new primary). The rest of class 25 describes the caller's own
+/// pool reaches the new primary), and the prepared-statement errors a connection
+/// pooler in transaction mode causes when another client leaves a named statement on
+/// a server connection (26000 `invalid_sql_statement_name`, 42P05
+/// `duplicate_prepared_statement`: the next try gets another connection). The rest of class 25 describes the caller's own
 /// transaction (e.g. 25P02, a failed transaction), which a retry does not change.
 pub fn transient_sqlstate(code: &str) -> bool {
     ["08", "40", "53", "57P", "58"]
         .iter()
         .any(|class| code.starts_with(class))
-        || matches!(code, "55P03" | "57014" | "25006")
+        || matches!(code, "55P03" | "57014" | "25006" | "26000" | "42P05")
 }
 
 fn caused_by_io(e: &tokio_postgres::Error) -> bool {
@@ -247,80 +256,6 @@ pub fn pg_config(url: &Secret) -> Result<PgTarget, DbError> {
     })
 }
 
-/// A pool of `size` connections to `database.url`; connections are opened lazily.
-///
-/// Every connection runs with `statement_timeout` and
-/// `idle_in_transaction_session_timeout` set to `database.statement_timeout`: a
-/// database call that hangs ends with an error instead of stalling its loop, and a
-/// frozen lapse process cannot hold row locks inside an open transaction for longer.
-/// A server that vanished is noticed by TCP keepalives and a user timeout.
-pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
-    let mut config = pg_config(&database.url)?;
-    config.connect_timeout(std::time::Duration::from_secs(5));
-    detect_dead_peers(&mut config);
-    let millis = database.statement_timeout.as_millis().max(1);
-    let timeouts =
-        format!("-c statement_timeout={millis} -c idle_in_transaction_session_timeout={millis}");
-    let options = match config.get_options() {
-        Some(own) if !own.trim().is_empty() => format!("{own} {timeouts}"),
-        _ => timeouts,
-    };
-    config.options(options);
-    let connector = config.connector()?;
-    let manager = Manager::from_config(
-        config.config,
-        connector,
-        ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        },
-    );
-    Pool::builder(manager)
-        .max_size(size)
-        .wait_timeout(Some(std::time::Duration::from_secs(10)))
-        .create_timeout(Some(std::time::Duration::from_secs(5)))
-        .runtime(deadpool_postgres::Runtime::Tokio1)
-        .build()
-        .map_err(|e| DbError::Config(e.to_string()))
-}
-
-/// How long one of lapse's short transactions (a close, a stock release, a sweeper or
-/// reconciler page) may sit idle waiting for lapse's next statement before the server
-/// ends it. They hold order rows locked: a worker frozen or cut off inside one must
-/// not keep those rows from the other workers for the session-wide limit
-/// (`database.statement_timeout`), which the relay's transactions need, since they
-/// wait for the broker's confirms.
-pub const SHORT_TRANSACTION_IDLE: Duration = Duration::from_secs(5);
-
-/// Marks the transaction `tx` runs in as short ([`SHORT_TRANSACTION_IDLE`]), with waits
-/// for a lock other than a skipped row lock bounded by `lock_timeout` when given. One
-/// simple-protocol round trip; the values are numbers lapse formats itself.
-pub async fn short_transaction(
-    tx: &tokio_postgres::Transaction<'_>,
-    lock_timeout: Option<Duration>,
-) -> Result<(), DbError> {
-    limit_idle(tx, SHORT_TRANSACTION_IDLE, lock_timeout).await
-}
-
-/// Ends the transaction `tx` runs in when it sits idle for `idle` waiting for lapse's
-/// next statement; waits for a lock other than a skipped row lock bounded by
-/// `lock_timeout` when given.
-pub async fn limit_idle(
-    tx: &tokio_postgres::Transaction<'_>,
-    idle: Duration,
-    lock_timeout: Option<Duration>,
-) -> Result<(), DbError> {
-    let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX.unsigned_abs().into());
-    let mut sql = format!(
-        "SET LOCAL idle_in_transaction_session_timeout = {}",
-        ms(idle)
-    );
-    if let Some(lock_timeout) = lock_timeout {
-        sql += &format!("; SET LOCAL lock_timeout = {}", ms(lock_timeout));
-    }
-    tx.batch_execute(&sql).await?;
-    Ok(())
-}
-
 /// The driver half of a connection made outside a pool: spawn it to drive the client.
 pub type Connection = tokio_postgres::Connection<
     tokio_postgres::Socket,
@@ -359,7 +294,7 @@ pub fn bounded_config(url: &Secret) -> Result<PgTarget, DbError> {
 /// user timeout (data unacknowledged that long): a server that vanished (a failover,
 /// a cut network) is noticed within about a minute, on idle and busy connections
 /// alike, instead of the system's two hours or more.
-fn detect_dead_peers(config: &mut tokio_postgres::Config) {
+pub(super) fn detect_dead_peers(config: &mut tokio_postgres::Config) {
     config
         .keepalives(true)
         .keepalives_idle(Duration::from_secs(15))
@@ -405,7 +340,10 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
     let (client, connection) = bounded_connect(&admin).await?;
     tokio::spawn(connection);
     let exists = client
-        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&name])
+        .query_typed_opt(
+            "SELECT 1 FROM pg_database WHERE datname = $1",
+            &[(&name, tokio_postgres::types::Type::TEXT)],
+        )
         .await?
         .is_some();
     if !exists {
@@ -445,10 +383,10 @@ pub async fn write_settings<C: tokio_postgres::GenericClient>(
     let horizon_ms = crate::deadline::ceil_millis(settings.deadline_horizon)
         .map_err(|e| DbError::Config(format!("orders.deadline_horizon: {e}")))?;
     client
-        .execute(
+        .execute_typed(
             "UPDATE lapse_settings
                 SET deadline_horizon = justify_hours($1::bigint * interval '1 millisecond')",
-            &[&horizon_ms],
+            &[(&horizon_ms, tokio_postgres::types::Type::INT8)],
         )
         .await?;
     Ok(())
@@ -499,11 +437,24 @@ async fn run_migrations(
     settings: Option<(&Settings, u16)>,
 ) -> Result<usize, DbError> {
     ensure_database(url).await?;
-    let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
-    let driver = tokio::spawn(connection);
-    client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+    let config = bounded_config(url)?;
+    // The lock is held by a transaction of its own connection for as long as the
+    // migrations run on the other (refinery commits each migration in a transaction
+    // of its own): a transaction-level lock, so a pooler in transaction mode keeps
+    // the lock and its release on one server connection, and a lapse process that
+    // dies takes the lock with it.
+    let (mut locker, locker_connection) = bounded_connect(&config).await?;
+    let locker_driver = tokio::spawn(locker_connection);
+    let lock = locker.transaction().await?;
+    lock.batch_execute("SET LOCAL idle_in_transaction_session_timeout = 0")
         .await?;
+    lock.execute_typed(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
+    )
+    .await?;
+    let (mut client, connection) = bounded_connect(&config).await?;
+    let driver = tokio::spawn(connection);
     // A database recorded at another position is refused before anything changes.
     let checked = match settings {
         Some((_, position)) => position::schema_state(&client)
@@ -527,11 +478,11 @@ async fn run_migrations(
             report = Err(e);
         }
     }
-    let _ = client
-        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
-        .await;
     drop(client);
     let _ = driver.await;
+    let _ = lock.commit().await;
+    drop(locker);
+    let _ = locker_driver.await;
     Ok(report?.applied_migrations().len())
 }
 
@@ -543,7 +494,7 @@ mod tests {
     fn races_and_outages_are_transient_bad_data_is_not() {
         for code in [
             "40001", "40P01", "08006", "08001", "57P01", "57P03", "53300", "55P03", "57014",
-            "25006",
+            "25006", "26000", "42P05",
         ] {
             assert!(transient_sqlstate(code), "{code} should be transient");
         }

@@ -6,6 +6,7 @@
 
 use super::{DbError, LOGIN_TIMEOUT, bounded_config, bounded_connect, column};
 use crate::config::Secret;
+use tokio_postgres::types::Type;
 
 /// Whether a database has lapse's schema, and the position recorded in it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,7 +22,7 @@ pub async fn schema_state<C: tokio_postgres::GenericClient>(
     client: &C,
 ) -> Result<SchemaState, DbError> {
     let row = client
-        .query_one(
+        .query_typed_one(
             "SELECT to_regclass('lapse_settings') IS NOT NULL AS has_schema",
             &[],
         )
@@ -31,7 +32,7 @@ pub async fn schema_state<C: tokio_postgres::GenericClient>(
     }
     // Through to_jsonb: the column does not exist before this version's migrations.
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT (to_jsonb(s) ->> 'shard_position')::int AS recorded FROM lapse_settings s",
             &[],
         )
@@ -77,10 +78,10 @@ pub(super) async fn record<C: tokio_postgres::GenericClient>(
     position: u16,
 ) -> Result<(), DbError> {
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "UPDATE lapse_settings SET shard_position = coalesce(shard_position, $1)
              RETURNING shard_position",
-            &[&i32::from(position)],
+            &[(&i32::from(position), Type::INT4)],
         )
         .await?
         .ok_or_else(|| {
@@ -122,11 +123,11 @@ pub async fn membership<C: tokio_postgres::GenericClient>(
     prefix: &str,
 ) -> Result<Membership, DbError> {
     let row = client
-        .query_opt(
+        .query_typed_opt(
             "SELECT to_jsonb(s) ->> 'database_id' AS id,
                     to_jsonb(s) -> 'shard_lists' -> $1 AS list
                FROM lapse_settings s",
-            &[&prefix],
+            &[(&prefix, Type::TEXT)],
         )
         .await?;
     let Some(row) = row else {
@@ -236,11 +237,15 @@ pub async fn record_list<C: tokio_postgres::GenericClient>(
     let value = serde_json::to_value(list).expect("a list of strings serialises");
     let read = read.map(|r| serde_json::to_value(r).expect("a list of strings serialises"));
     let written = client
-        .execute(
+        .execute_typed(
             "UPDATE lapse_settings
                 SET shard_lists = jsonb_set(shard_lists, ARRAY[$1::text], $2::jsonb)
               WHERE (shard_lists -> $1::text) IS NOT DISTINCT FROM $3::jsonb",
-            &[&prefix, &value, &read],
+            &[
+                (&prefix, Type::TEXT),
+                (&value, Type::JSONB),
+                (&read, Type::JSONB),
+            ],
         )
         .await?;
     if written == 0 {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use deadpool_postgres::Pool;
+use crate::db::Pool;
 use tokio::sync::watch;
 
 use super::{DbError, Settings};

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::db::Pool;
 use chrono::{DateTime, Utc};
-use deadpool_postgres::Pool;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
+use crate::db::Pool;
 use tokio_util::sync::CancellationToken;
 
 use super::workload::Counters;

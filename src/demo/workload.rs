@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::db::Pool;
 use chrono::Utc;
-use deadpool_postgres::Pool;
 use futures_util::StreamExt;
 use tokio::task::JoinSet;
 use tokio::time::Instant;

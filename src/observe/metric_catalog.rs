@@ -19,6 +19,7 @@ pub const TIER_HOPS: &str = "lapse_tier_hops_total";
 pub const RELAY_PUBLISHED: &str = "lapse_relay_published_total";
 pub const RELAY_REFUSED: &str = "lapse_relay_refused_total";
 pub const OUTBOX_ROWS: &str = "lapse_outbox_rows";
+pub const RELAY_NOTIFICATIONS: &str = "lapse_relay_notifications";
 pub const OUTBOX_OLDEST_AGE: &str = "lapse_outbox_oldest_age_seconds";
 pub const OUTBOX_STUCK: &str = "lapse_outbox_stuck_rows";
 pub const RELEASES: &str = "lapse_releases_total";
@@ -103,6 +104,11 @@ pub fn describe() {
         RELAY_REFUSED,
         Unit::Count,
         "Outbox rows whose publish the broker refused (a full wait tier); retried later."
+    );
+    describe_gauge!(
+        RELAY_NOTIFICATIONS,
+        Unit::Count,
+        "1 while notifications of new outbox rows arrive on the relay's LISTEN connection, 0 when a probe was lost (a connection pooler in transaction mode: set relay.listen_url) or the connection is down; the relay then publishes every relay.poll_interval (by shard, with database.shards)."
     );
     describe_gauge!(
         OUTBOX_ROWS,

@@ -11,7 +11,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
+use crate::db::Pool;
 use serde_json::{Value, json};
 
 use crate::config::Config;

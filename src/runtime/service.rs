@@ -214,7 +214,8 @@ impl Starter<'_> {
         relay.shard = shard.index;
         relay.component = leak(config.database.per_shard("relay", shard.index));
         relay.shard_label = config.database.sharded().then(|| shard.index.to_string());
-        let (db_url, poll) = (shard.url.clone(), config.relay.poll_interval);
+        let db_url = crate::config::listen_url(config.relay.listen_url.as_ref(), shard);
+        let poll = config.relay.poll_interval;
         let (schemas, index) = (self.schemas.clone(), shard.index);
         self.add(relay.component, move |b, h, t| {
             let (relay, db_url, schemas) = (relay.clone(), db_url.clone(), schemas.clone());

@@ -157,9 +157,7 @@ async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
             .collect();
         let read = reads_of(&db, async {
             let tx = closer.transaction().await.unwrap();
-            let report = close_due(&tx, &batch, CloseReason::Timeout, Duration::from_secs(5))
-                .await
-                .unwrap();
+            let report = close_due(&tx, &batch, CloseReason::Timeout).await.unwrap();
             tx.commit().await.unwrap();
             assert_eq!(report.closed.len() as i64, size);
             assert!(report.locked.is_empty());

@@ -402,7 +402,6 @@ async fn close_now(db: &mut tokio_postgres::Client, id: orders::OrderId) -> usiz
             hops: 0,
         }],
         lapse::close::CloseReason::Sweeper,
-        Duration::from_secs(5),
     )
     .await
     .unwrap();

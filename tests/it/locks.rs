@@ -179,29 +179,54 @@ async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
     env.cleanup().await;
 }
 
+/// Every transaction opened on a pool runs under `database.statement_timeout`, set
+/// with `SET LOCAL` (no startup options, no session setting a pooler would hand to
+/// another client): a hung call ends with an error, and the session keeps the
+/// server's defaults.
 #[tokio::test]
-async fn every_pooled_connection_has_a_statement_timeout() {
+async fn every_pooled_transaction_has_a_statement_timeout() {
     let env = TestEnv::with_database(&["1s"]).await;
     let mut config = env.config();
     config.database.statement_timeout = Duration::from_millis(1_500);
     let pool = lapse::db::pool(&config.database, 1).unwrap();
-    let client = pool.get().await.unwrap();
+    let mut client = pool.get().await.unwrap();
+    let show = |setting: &'static str| format!("SHOW {setting}");
+    let session: String = client
+        .query_one(&show("statement_timeout"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        session, "0",
+        "the session itself is left as the server made it"
+    );
+    let tx = lapse::db::begin(&mut client, pool.limits()).await.unwrap();
     for setting in ["statement_timeout", "idle_in_transaction_session_timeout"] {
-        let value: String = client
-            .query_one(&format!("SHOW {setting}"), &[])
-            .await
-            .unwrap()
-            .get(setting);
+        let value: String = tx.query_one(&show(setting), &[]).await.unwrap().get(0);
         assert_eq!(value, "1500ms", "{setting}");
     }
     let started = Instant::now();
-    let hung = client.execute("SELECT pg_sleep(30)", &[]).await;
+    let hung = tx.execute("SELECT pg_sleep(30)", &[]).await;
     let error = hung.expect_err("a hung call ends with an error");
     assert_eq!(
         error.code(),
         Some(&tokio_postgres::error::SqlState::QUERY_CANCELED)
     );
     assert!(started.elapsed() < Duration::from_secs(15));
+    drop(tx);
+    let short =
+        lapse::db::begin_short(&mut client, pool.limits(), Some(Duration::from_millis(700)))
+            .await
+            .unwrap();
+    for (setting, expected) in [
+        ("statement_timeout", "1500ms"),
+        ("idle_in_transaction_session_timeout", "5s"),
+        ("lock_timeout", "700ms"),
+    ] {
+        let value: String = short.query_one(&show(setting), &[]).await.unwrap().get(0);
+        assert_eq!(value, expected, "{setting}");
+    }
+    drop(short);
     drop(client);
     drop(pool);
     env.cleanup().await;

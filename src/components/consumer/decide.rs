@@ -183,7 +183,7 @@ impl Decider {
         // A shard not migrated yet is away: nothing reads or closes on its old schema.
         let pool = self.pools.ready(shard)?;
         let mut client = pool.get().await?;
-        let tx = client.transaction().await?;
+        let tx = db::begin_short(&mut client, pool.limits(), Some(self.lock_timeout)).await?;
         let rows = tx
             .query(
                 "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text AS raw
@@ -211,8 +211,7 @@ impl Decider {
                 hops: i32::try_from(m.hops).unwrap_or(i32::MAX),
             })
             .collect();
-        let report =
-            close::close_due(&tx, &candidates, CloseReason::Timeout, self.lock_timeout).await?;
+        let report = close::close_due(&tx, &candidates, CloseReason::Timeout).await?;
         tx.commit().await?;
         Ok(Snapshot {
             db_now,

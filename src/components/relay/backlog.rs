@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
+use crate::db::Pool;
 use tokio_util::sync::CancellationToken;
 
 use crate::observe::metric_catalog as m;
@@ -15,8 +15,9 @@ pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
 /// Rows waiting in the outbox and the age of the oldest (zero when empty).
 pub async fn sample(pool: &Pool) -> Result<(i64, f64), crate::db::DbError> {
-    let client = pool.get().await?;
-    let row = client
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin(&mut client, pool.limits()).await?;
+    let row = tx
         .query_one(
             "SELECT count(*) AS waiting,
                     COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8 AS oldest_s
@@ -24,6 +25,7 @@ pub async fn sample(pool: &Pool) -> Result<(i64, f64), crate::db::DbError> {
             &[],
         )
         .await?;
+    tx.commit().await?;
     let waiting = crate::db::column(&row, "waiting")?;
     let oldest: f64 = crate::db::column(&row, "oldest_s")?;
     Ok((waiting, oldest.max(0.0)))

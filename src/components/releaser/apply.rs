@@ -81,8 +81,7 @@ impl Releaser {
         // its old schema.
         let pool = self.pools.ready(shard)?;
         let mut client = pool.get().await?;
-        let tx = client.transaction().await?;
-        crate::db::short_transaction(&tx, None).await?;
+        let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
         // Order rows first, without waiting for one another transaction holds; in the
         // same statement the CLOSED orders it could not lock (CLOSED is final, so
         // those are held by someone else).
