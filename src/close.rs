@@ -166,7 +166,15 @@ pub async fn close_due(
     let versions: Vec<i32> = candidates.iter().map(|c| c.deadline_version).collect();
     let hops: Vec<i32> = candidates.iter().map(|c| c.hops).collect();
     let rows = tx
-        .query(CLOSE_SQL, &[&ids, &versions, &hops, &reason.as_str()])
+        .query_typed(
+            CLOSE_SQL,
+            &[
+                (&ids, tokio_postgres::types::Type::INT8_ARRAY),
+                (&versions, tokio_postgres::types::Type::INT4_ARRAY),
+                (&hops, tokio_postgres::types::Type::INT4_ARRAY),
+                (&reason.as_str(), tokio_postgres::types::Type::TEXT),
+            ],
+        )
         .await?;
     let mut report = CloseReport::default();
     for r in &rows {

@@ -212,15 +212,18 @@ impl Sources<'_> {
     /// through the pool does not arrive on a LISTEN connection to `relay.listen_url`
     /// (or the database's URL). A shard that cannot be asked is left out (the
     /// status itself reports what is unreachable).
+    /// All shards at once: a status waits at most one probe's time for them.
     async fn deaf_shards(&self) -> Vec<u16> {
-        let mut deaf = Vec::new();
-        for (shard, pool) in &self.pools {
+        let probes = self.pools.iter().map(|(shard, pool)| async move {
             let url = crate::config::listen_url(self.config.relay.listen_url.as_ref(), shard);
-            if let Ok(false) = crate::components::relay::notifications::arrive(&url, pool).await {
-                deaf.push(shard.index);
-            }
-        }
-        deaf
+            let heard = crate::components::relay::notifications::arrive(&url, pool).await;
+            matches!(heard, Ok(false)).then_some(shard.index)
+        });
+        futures_util::future::join_all(probes)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     fn deaf_problem(&self, shard: u16) -> Problem {

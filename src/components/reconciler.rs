@@ -154,9 +154,14 @@ pub async fn run_pass(
         // pooled connection runs in a transaction opened under the pool's limits.
         let tx = crate::db::begin_short(client, limits, None).await?;
         let rows = tx
-            .query(
+            .query_typed(
                 &select,
-                &[&grace_ms, &after_at, &after_id, &config.batch_size],
+                &[
+                    (&grace_ms, tokio_postgres::types::Type::INT8),
+                    (&after_at, tokio_postgres::types::Type::TIMESTAMPTZ),
+                    (&after_id, tokio_postgres::types::Type::INT8),
+                    (&config.batch_size, tokio_postgres::types::Type::INT8),
+                ],
             )
             .await?;
         let Some(last) = rows.last() else {
@@ -178,14 +183,33 @@ pub async fn run_pass(
             report.lost_lead = true;
             break;
         }
-        let stamped = tx.execute(STAMP_SQL, &[&ids]).await?;
+        let stamped = tx
+            .execute_typed(
+                STAMP_SQL,
+                &[(&ids, tokio_postgres::types::Type::INT8_ARRAY)],
+            )
+            .await?;
         let repaired: i64 = column(
-            &tx.query_one(REEMIT_SQL, &[&ids, &MAX_REPAIRS, &grace_ms])
-                .await?,
+            &tx.query_typed_one(
+                REEMIT_SQL,
+                &[
+                    (&ids, tokio_postgres::types::Type::INT8_ARRAY),
+                    (&MAX_REPAIRS, tokio_postgres::types::Type::INT4),
+                    (&grace_ms, tokio_postgres::types::Type::INT8),
+                ],
+            )
+            .await?,
             "repaired",
         )?;
         let exhausted: i64 = column(
-            &tx.query_one(EXHAUSTED_SQL, &[&ids, &MAX_REPAIRS]).await?,
+            &tx.query_typed_one(
+                EXHAUSTED_SQL,
+                &[
+                    (&ids, tokio_postgres::types::Type::INT8_ARRAY),
+                    (&MAX_REPAIRS, tokio_postgres::types::Type::INT4),
+                ],
+            )
+            .await?,
             "exhausted",
         )?;
         tx.commit().await?;

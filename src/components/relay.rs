@@ -129,11 +129,11 @@ impl Relay {
         let mut client = self.pool.get().await?;
         let tx = crate::db::begin(&mut client, self.pool.limits()).await?;
         let rows = tx
-            .query(
+            .query_typed(
                 "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
                   WHERE not_before <= now()
                   ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
-                &[&self.batch_size],
+                &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
             )
             .await?;
         if rows.is_empty() {
@@ -177,15 +177,22 @@ impl Relay {
                 Err(e) => broken = Some(e),
             }
         }
-        tx.execute("DELETE FROM outbox WHERE id = ANY($1)", &[&sent_ids])
-            .await?;
-        tx.execute(
+        tx.execute_typed(
+            "DELETE FROM outbox WHERE id = ANY($1)",
+            &[(&sent_ids, tokio_postgres::types::Type::INT8_ARRAY)],
+        )
+        .await?;
+        tx.execute_typed(
             "UPDATE outbox o
                 SET attempts = o.attempts + 1, last_error = r.error,
                     not_before = now() + r.ms * interval '1 millisecond'
                FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS r(id, ms, error)
               WHERE o.id = r.id",
-            &[&later.ids, &later.delay_ms, &later.errors],
+            &[
+                (&later.ids, tokio_postgres::types::Type::INT8_ARRAY),
+                (&later.delay_ms, tokio_postgres::types::Type::INT8_ARRAY),
+                (&later.errors, tokio_postgres::types::Type::TEXT_ARRAY),
+            ],
         )
         .await?;
         crate::timeline::record_hops(&tx, &hops).await?;

@@ -220,7 +220,7 @@ impl Sweeper {
             // a pooled connection runs in a transaction opened under the pool's limits.
             let tx = crate::db::begin_short(client, limits, Some(self.lock_timeout)).await?;
             let rows = tx
-                .query(
+                .query_typed(
                     "SELECT id, deadline_version, expire_at, expire_at::text AS raw FROM orders
                       WHERE status = 'UNPAID'
                         AND expire_at < now() - $1::bigint * interval '1 millisecond'
@@ -228,7 +228,11 @@ impl Sweeper {
                              OR (expire_at, id) > ((SELECT expire_at FROM orders WHERE id = $2), $2))
                       ORDER BY expire_at, id
                       LIMIT $3",
-                    &[&grace_ms, &after, &self.config.batch_size],
+                    &[
+                        (&grace_ms, tokio_postgres::types::Type::INT8),
+                        (&after, tokio_postgres::types::Type::INT8),
+                        (&self.config.batch_size, tokio_postgres::types::Type::INT8),
+                    ],
                 )
                 .await?;
             let Some(last) = rows.last() else { break };
@@ -289,12 +293,12 @@ impl Sweeper {
             );
         }
         let stuck_ms = deadline::saturating_millis(self.config.stuck_outbox_after);
-        let tx = crate::db::begin(client, limits).await?;
+        let tx = crate::db::begin_short(client, limits, None).await?;
         let stuck = tx
-            .query_one(
+            .query_typed_one(
                 "SELECT count(*) AS stuck FROM outbox
                   WHERE created_at < clock_timestamp() - $1::bigint * interval '1 millisecond'",
-                &[&stuck_ms],
+                &[(&stuck_ms, tokio_postgres::types::Type::INT8)],
             )
             .await?;
         tx.commit().await?;

@@ -48,6 +48,7 @@ pub(super) fn validate_listen_urls(
             urls.iter().collect()
         }
         (Some(ListenUrls::Each(urls)), None) if urls.len() == 1 => urls.iter().collect(),
+        (Some(ListenUrls::One(url)), Some(shards)) if shards.len() == 1 => vec![url],
         (Some(_), Some(shards)) => {
             return Err(ConfigError::new(
                 key,

@@ -21,6 +21,8 @@
 
 use std::time::Duration;
 
+use tokio_postgres::types::Type;
+
 use super::{DbError, column};
 
 /// How long taking over waits for the lease row's lock (a leader inside a unit's
@@ -69,10 +71,10 @@ impl Lease {
     ) -> Result<bool, DbError> {
         let tx = super::begin_short(client, limits, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
         let current = tx
-            .query_opt(
+            .query_typed_opt(
                 "SELECT holder, expires_at > clock_timestamp() AS live
                    FROM lapse_leader_leases WHERE name = $1",
-                &[&self.name],
+                &[(&self.name, Type::TEXT)],
             )
             .await?;
         if let Some(row) = &current {
@@ -83,7 +85,7 @@ impl Lease {
             }
         }
         let taken = tx
-            .query_opt(
+            .query_typed_opt(
                 "INSERT INTO lapse_leader_leases AS l (name, holder, epoch, expires_at)
                  VALUES ($1, $2, 1, clock_timestamp() + $3::bigint * interval '1 millisecond')
                  ON CONFLICT (name) DO UPDATE
@@ -94,7 +96,11 @@ impl Lease {
                         expires_at = EXCLUDED.expires_at
                   WHERE l.holder = EXCLUDED.holder OR l.expires_at <= clock_timestamp()
                  RETURNING epoch",
-                &[&self.name, &self.holder, &self.ttl_ms()],
+                &[
+                    (&self.name, Type::TEXT),
+                    (&self.holder, Type::TEXT),
+                    (&self.ttl_ms(), Type::INT8),
+                ],
             )
             .await;
         let taken = match taken {
@@ -130,12 +136,17 @@ impl Lease {
         // A lease that expired while this leader worked slowly (a paced batch, a slow
         // page query) with nobody taking over is still ours, and renewed.
         let renewed = tx
-            .query_opt(
+            .query_typed_opt(
                 "UPDATE lapse_leader_leases
                     SET expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
                   WHERE name = $1 AND holder = $2 AND epoch = $3
                  RETURNING epoch",
-                &[&self.name, &self.holder, &epoch, &self.ttl_ms()],
+                &[
+                    (&self.name, Type::TEXT),
+                    (&self.holder, Type::TEXT),
+                    (&epoch, Type::INT8),
+                    (&self.ttl_ms(), Type::INT8),
+                ],
             )
             .await;
         let renewed = match renewed {
@@ -171,10 +182,14 @@ impl Lease {
     ) -> Result<(), DbError> {
         if let Some(epoch) = self.epoch.take() {
             let tx = super::begin_short(client, limits, Some(TAKEOVER_LOCK_TIMEOUT)).await?;
-            tx.execute(
+            tx.execute_typed(
                 "UPDATE lapse_leader_leases SET expires_at = clock_timestamp()
                       WHERE name = $1 AND holder = $2 AND epoch = $3",
-                &[&self.name, &self.holder, &epoch],
+                &[
+                    (&self.name, Type::TEXT),
+                    (&self.holder, Type::TEXT),
+                    (&epoch, Type::INT8),
+                ],
             )
             .await?;
             tx.commit().await?;

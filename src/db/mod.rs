@@ -1,8 +1,8 @@
 //! PostgreSQL: connection pools, database creation and schema migrations.
 //!
-//! Invariant: migrations run under a transaction-level advisory lock, so several
-//! workers starting at once apply each migration exactly once, directly or through a
-//! connection pooler in transaction mode.
+//! Invariant: migrations run in one transaction under a transaction-level advisory
+//! lock, so several workers starting at once apply each migration exactly once,
+//! directly or through a connection pooler in transaction mode.
 
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
@@ -13,11 +13,13 @@ use crate::config::Secret;
 refinery::embed_migrations!("migrations");
 
 mod lease;
+mod migrate;
 mod pool;
 mod position;
 mod shards;
 pub mod tls;
 pub use lease::Lease;
+pub use migrate::{migrate, migrate_shard, migrate_with_settings};
 pub use pool::{Limits, Pool, SHORT_TRANSACTION_IDLE, begin, begin_short, pool, short_transaction};
 pub use position::{
     SchemaState, check as check_position, check_list, recorded_position, schema_state,
@@ -33,7 +35,8 @@ pub enum DbError {
     /// driver's `Display` of a server error is only "db error").
     #[error("database error: {}", postgres_detail(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    #[error("database pool error: {0}")]
+    /// A connection the pool could not open shows the server's message and SQLSTATE.
+    #[error("database pool error: {}", pool_detail(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("database configuration error: {0}")]
     Config(String),
@@ -163,6 +166,13 @@ impl DbError {
     /// are part of the `Display` of every variant that has them).
     pub fn detail(&self) -> String {
         self.to_string()
+    }
+}
+
+fn pool_detail(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => postgres_detail(e),
+        other => other.to_string(),
     }
 }
 
@@ -390,100 +400,6 @@ pub async fn write_settings<C: tokio_postgres::GenericClient>(
         )
         .await?;
     Ok(())
-}
-
-/// Applies pending migrations; returns how many were applied. Leaves
-/// `lapse_settings` as it is (see [`migrate_with_settings`]).
-pub async fn migrate(url: &Secret) -> Result<usize, DbError> {
-    run_migrations(url, None).await
-}
-
-/// Applies pending migrations to the one order database (`database.url`, shard 0),
-/// then writes `settings` and checks its position (see [`migrate_shard`]).
-pub async fn migrate_with_settings(url: &Secret, settings: &Settings) -> Result<usize, DbError> {
-    let lone = [crate::config::Shard {
-        index: 0,
-        url: url.clone(),
-    }];
-    // A database recorded at another position first (the more specific refusal), then
-    // another deployment's list under the same prefix: refused before anything changes.
-    if let Ok(recorded) = recorded_position(url).await {
-        position::check(recorded, 0)?;
-    }
-    shards::bind_list(&lone, &settings.prefix, false)
-        .await
-        .map_err(|(_, e)| e)?;
-    let applied = migrate_shard(url, settings, 0).await?;
-    shards::bind_list(&lone, &settings.prefix, true)
-        .await
-        .map_err(|(_, e)| e)?;
-    Ok(applied)
-}
-
-/// Applies pending migrations to the order database at `position` of the list, then
-/// writes `settings` and records the position. A database whose first migration
-/// recorded another position is refused before anything changes
-/// ([`DbError::ShardMoved`]). What `lapse migrate` and a starting worker do.
-pub async fn migrate_shard(
-    url: &Secret,
-    settings: &Settings,
-    position: u16,
-) -> Result<usize, DbError> {
-    run_migrations(url, Some((settings, position))).await
-}
-
-async fn run_migrations(
-    url: &Secret,
-    settings: Option<(&Settings, u16)>,
-) -> Result<usize, DbError> {
-    ensure_database(url).await?;
-    let config = bounded_config(url)?;
-    // The lock is held by a transaction of its own connection for as long as the
-    // migrations run on the other (refinery commits each migration in a transaction
-    // of its own): a transaction-level lock, so a pooler in transaction mode keeps
-    // the lock and its release on one server connection, and a lapse process that
-    // dies takes the lock with it.
-    let (mut locker, locker_connection) = bounded_connect(&config).await?;
-    let locker_driver = tokio::spawn(locker_connection);
-    let lock = locker.transaction().await?;
-    lock.batch_execute("SET LOCAL idle_in_transaction_session_timeout = 0")
-        .await?;
-    lock.execute_typed(
-        "SELECT pg_advisory_xact_lock($1)",
-        &[(&MIGRATION_LOCK, tokio_postgres::types::Type::INT8)],
-    )
-    .await?;
-    let (mut client, connection) = bounded_connect(&config).await?;
-    let driver = tokio::spawn(connection);
-    // A database recorded at another position is refused before anything changes.
-    let checked = match settings {
-        Some((_, position)) => position::schema_state(&client)
-            .await
-            .and_then(|state| position::check(state.position, position)),
-        None => Ok(()),
-    };
-    let mut report = match checked {
-        Ok(()) => migrations::runner()
-            .run_async(&mut client)
-            .await
-            .map_err(DbError::from),
-        Err(e) => Err(e),
-    };
-    if let (Ok(_), Some((settings, position))) = (&report, settings) {
-        let written = match write_settings(&client, settings).await {
-            Ok(()) => position::record(&client, position).await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = written {
-            report = Err(e);
-        }
-    }
-    drop(client);
-    let _ = driver.await;
-    let _ = lock.commit().await;
-    drop(locker);
-    let _ = locker_driver.await;
-    Ok(report?.applied_migrations().len())
 }
 
 #[cfg(test)]

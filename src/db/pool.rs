@@ -5,11 +5,12 @@
 //! (PgBouncer's `pool_mode = transaction`) as well as directly:
 //! - no startup options and no session settings: the timeouts are set with
 //!   `SET LOCAL` at the start of every transaction ([`begin`], [`begin_short`]);
-//! - statements are prepared inside the transaction that runs them (the driver closes
-//!   each one before the transaction ends), or sent unnamed (`query_typed`), never
-//!   left on a server connection another client may get next;
-//! - leadership is a lease row ([`super::Lease`]), migrations hold a transaction-level
-//!   advisory lock.
+//! - every statement is sent unnamed with its parameter types (`query_typed`,
+//!   `execute_typed`): a named one lives as long as any row read through it, so it
+//!   could outlive its transaction and stay on a server connection another client
+//!   gets next;
+//! - leadership is a lease row ([`super::Lease`]); migrations run in one transaction
+//!   under a transaction-level advisory lock ([`super::migrate`]).
 
 use std::time::Duration;
 

@@ -188,7 +188,7 @@ async fn prepare(
     let units = i64::from(orders_planned) * i64::from(workload::MAX_QTY);
     orders::ensure_stock(&**client, &skus, units).await?;
     let stock = report::stock(&**client).await?;
-    let start: DateTime<Utc> = client.query_one("SELECT now()", &[]).await?.get(0);
+    let start: DateTime<Utc> = client.query_typed_one("SELECT now()", &[]).await?.get(0);
     Ok((stock, start))
 }
 

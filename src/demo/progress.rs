@@ -133,7 +133,7 @@ impl Progress {
         let mut snap = Snapshot::default();
         if let Ok(client) = self.pool.get().await {
             let row = client
-                .query_one(
+                .query_typed_one(
                     "SELECT count(*) FILTER (WHERE status = 'CLOSED'),
                             count(*) FILTER (WHERE status = 'PAID'),
                             (SELECT count(*) FROM late_payments),

@@ -22,7 +22,7 @@ pub struct StockRow {
 
 pub async fn stock<C: GenericClient>(client: &C) -> Result<Vec<StockRow>, DbError> {
     let rows = client
-        .query(
+        .query_typed(
             "SELECT sku, available, reserved, sold FROM stock ORDER BY sku",
             &[],
         )
@@ -41,7 +41,7 @@ pub async fn stock<C: GenericClient>(client: &C) -> Result<Vec<StockRow>, DbErro
 /// Units per SKU on the lines of PAID orders: what `sold` must have grown by.
 pub async fn paid_units<C: GenericClient>(client: &C) -> Result<BTreeMap<String, i64>, DbError> {
     let rows = client
-        .query(
+        .query_typed(
             "SELECT l.sku, sum(l.qty)::int8 AS units
                FROM order_lines l JOIN orders o ON o.id = l.order_id
               WHERE o.status = 'PAID' GROUP BY l.sku",
@@ -57,7 +57,7 @@ pub async fn paid_units<C: GenericClient>(client: &C) -> Result<BTreeMap<String,
 /// Orders not yet settled (UNPAID) and units still reserved.
 pub async fn unsettled<C: GenericClient>(client: &C) -> Result<(i64, i64), DbError> {
     let row = client
-        .query_one(
+        .query_typed_one(
             "SELECT (SELECT count(*) FROM orders WHERE status = 'UNPAID'),
                     (SELECT COALESCE(sum(reserved), 0)::bigint FROM stock)",
             &[],
@@ -142,7 +142,7 @@ pub async fn gather<C: GenericClient>(
     start: DateTime<Utc>,
 ) -> Result<(Partial, Closes), DbError> {
     let row = client
-        .query_one(
+        .query_typed_one(
             "SELECT count(*) FILTER (WHERE status = 'CLOSED'),
                     count(*) FILTER (WHERE status = 'CLOSED' AND close_reason = 'timeout'),
                     count(*) FILTER (WHERE status = 'CLOSED' AND close_reason = 'sweeper'),
@@ -169,12 +169,12 @@ pub async fn gather<C: GenericClient>(
         hops: hops(client).await?,
     };
     let rows = client
-        .query(
+        .query_typed(
             "SELECT extract(epoch FROM expire_at - $1)::float8,
                     extract(epoch FROM closed_at - $1)::float8,
                     extract(epoch FROM closed_at - expire_at)::float8 * 1000
                FROM orders WHERE status = 'CLOSED' ORDER BY closed_at",
-            &[&start],
+            &[(&start, tokio_postgres::types::Type::TIMESTAMPTZ)],
         )
         .await?;
     let mut closes = Closes::default();
@@ -189,7 +189,7 @@ pub async fn gather<C: GenericClient>(
 
 async fn hops<C: GenericClient>(client: &C) -> Result<BTreeMap<i32, i64>, DbError> {
     let rows = client
-        .query(
+        .query_typed(
             "SELECT COALESCE((detail->>'hops')::int, 0), count(*)
                FROM order_events WHERE event = 'closed' GROUP BY 1 ORDER BY 1",
             &[],

@@ -349,3 +349,68 @@ async fn lapse_works_through_pgbouncer_in_session_mode() {
     env.cleanup().await;
     drop(bouncer);
 }
+
+/// One server connection for every client: a statement left prepared by any of them
+/// (a named statement closed after its transaction, or never) would stay on it. After
+/// a migration (which needs one server connection), a worker's whole pipeline,
+/// `lapse order` and `lapse status`, nothing is prepared on the server connection.
+#[tokio::test]
+async fn nothing_is_left_prepared_on_a_single_shared_server_connection() {
+    let bouncer = PrivatePgBouncer::start_with("transaction", 1);
+    let (env, url) = behind(&bouncer, &["1s"], "").await;
+    let out = env.lapse(&["migrate"]);
+    assert!(out.status.success(), "migrate: {}", stderr(&out));
+    let worker = spawn_worker(&env, &[("LAPSE_SWEEPER__INTERVAL", "1s")]);
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let out = env.lapse(&["order", "create", "--expires-in", "2s", "--line", "one:1"]);
+        assert!(out.status.success(), "create: {}", stderr(&out));
+        ids.push(stdout(&out).trim().to_string());
+    }
+    for id in &ids[..2] {
+        let out = env.lapse(&["order", "pay", id]);
+        assert!(out.status.success(), "pay: {}", stderr(&out));
+    }
+    let out = env.lapse(&["order", "show", &ids[0]]);
+    assert!(out.status.success(), "show: {}", stderr(&out));
+    let db = env.db().await;
+    eventually(
+        Duration::from_secs(60),
+        "the unpaid orders closed and released",
+        || async {
+            (count(
+                &db,
+                "SELECT count(*) FROM orders WHERE status = 'CLOSED' AND released_at IS NOT NULL",
+            )
+            .await
+                == 4)
+                .then_some(())
+        },
+    )
+    .await;
+    let _ = env.lapse(&["status"]);
+    let (pooled, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let left: Vec<String> = pooled
+        .simple_query(
+            "SELECT string_agg(name || ': ' || statement, '; ') FROM pg_prepared_statements",
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_string),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left prepared on the server connection: {left:?}"
+    );
+    assert_never_early(&db).await;
+    drop(worker);
+    env.cleanup().await;
+    drop(bouncer);
+}

@@ -41,6 +41,12 @@ impl PrivatePgBouncer {
     /// Starts one in `pool_mode` (`transaction` or `session`) and waits until it
     /// accepts connections.
     pub fn start(pool_mode: &str) -> Self {
+        Self::start_with(pool_mode, 20)
+    }
+
+    /// [`PrivatePgBouncer::start`] with at most `pool_size` server connections per
+    /// database and user.
+    pub fn start_with(pool_mode: &str, pool_size: u32) -> Self {
         let upstream: tokio_postgres::Config = database_admin_url().parse().unwrap();
         let host = match upstream.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
@@ -57,7 +63,7 @@ impl PrivatePgBouncer {
             "[databases]\n* = host={host} port={upstream_port}\n\n[pgbouncer]\n\
              listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
              auth_type = trust\nauth_file = {dir}/userlist.txt\n\
-             pool_mode = {pool_mode}\nmax_client_conn = 1000\ndefault_pool_size = 20\n\
+             pool_mode = {pool_mode}\nmax_client_conn = 1000\ndefault_pool_size = {pool_size}\n\
              logfile = {dir}/pgbouncer.log\npidfile = {dir}/pgbouncer.pid\n\
              admin_users = {user}\n",
             dir = dir.display()

@@ -185,11 +185,11 @@ impl Decider {
         let mut client = pool.get().await?;
         let tx = db::begin_short(&mut client, pool.limits(), Some(self.lock_timeout)).await?;
         let rows = tx
-            .query(
+            .query_typed(
                 "SELECT n.now, o.id, o.status, o.deadline_version, o.expire_at, o.expire_at::text AS raw
                    FROM (SELECT now()) AS n(now)
                    LEFT JOIN orders o ON o.id = ANY($1)",
-                &[&ids],
+                &[(&ids, tokio_postgres::types::Type::INT8_ARRAY)],
             )
             .await?;
         let first = rows

@@ -231,10 +231,16 @@ impl Consumer {
             let Ok(pool) = self.decider.pools.ready(shard) else {
                 continue;
             };
-            let Ok(client) = pool.get().await else {
+            let Ok(mut client) = pool.get().await else {
                 continue;
             };
-            let _ = crate::timeline::record_hops(&**client, &hops).await;
+            // In a short transaction of its own, so the statement timeout bounds it.
+            let Ok(tx) = crate::db::begin_short(&mut client, pool.limits(), None).await else {
+                continue;
+            };
+            if crate::timeline::record_hops(&tx, &hops).await.is_ok() {
+                let _ = tx.commit().await;
+            }
         }
     }
 }

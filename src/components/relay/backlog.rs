@@ -16,9 +16,9 @@ pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 /// Rows waiting in the outbox and the age of the oldest (zero when empty).
 pub async fn sample(pool: &Pool) -> Result<(i64, f64), crate::db::DbError> {
     let mut client = pool.get().await?;
-    let tx = crate::db::begin(&mut client, pool.limits()).await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
     let row = tx
-        .query_one(
+        .query_typed_one(
             "SELECT count(*) AS waiting,
                     COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8 AS oldest_s
                FROM outbox",

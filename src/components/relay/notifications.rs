@@ -128,8 +128,15 @@ pub async fn listen(
                             // Bounded: notifications wait in the socket meanwhile.
                             match tokio::time::timeout(PROBE_WAIT, send_probe(&pool)).await {
                                 Ok(Ok(())) => probe_sent = Some(Instant::now()),
-                                Ok(Err(e)) => tracing::debug!(error = %e, "relay: could not send a probe notification"),
-                                Err(_) => tracing::debug!("relay: sending a probe notification took too long"),
+                                // Tried again after another quiet period, not every tick.
+                                Ok(Err(e)) => {
+                                    heard = Instant::now();
+                                    tracing::debug!(error = %e, "relay: could not send a probe notification");
+                                }
+                                Err(_) => {
+                                    heard = Instant::now();
+                                    tracing::debug!("relay: sending a probe notification took too long");
+                                }
                             }
                         }
                         None => {}

@@ -85,7 +85,12 @@ impl Releaser {
         // Order rows first, without waiting for one another transaction holds; in the
         // same statement the CLOSED orders it could not lock (CLOSED is final, so
         // those are held by someone else).
-        let rows = tx.query(&lock_sql(), &[&order_ids]).await?;
+        let rows = tx
+            .query_typed(
+                &lock_sql(),
+                &[(&order_ids, tokio_postgres::types::Type::INT8_ARRAY)],
+            )
+            .await?;
         let mut locked = Vec::with_capacity(rows.len());
         let mut stampable = Vec::with_capacity(rows.len());
         let mut held = Vec::new();
@@ -108,14 +113,22 @@ impl Releaser {
             }
         }
         // Then the stock rows in SKU order, as every writer of stock does.
-        tx.execute(
+        tx.execute_typed(
             "SELECT 1 FROM stock WHERE sku IN
                     (SELECT sku FROM order_lines WHERE order_id = ANY($1))
               ORDER BY sku FOR UPDATE",
-            &[&locked],
+            &[(&locked, tokio_postgres::types::Type::INT8_ARRAY)],
         )
         .await?;
-        let row = tx.query_one(RELEASE_SQL, &[&locked, &stampable]).await?;
+        let row = tx
+            .query_typed_one(
+                RELEASE_SQL,
+                &[
+                    (&locked, tokio_postgres::types::Type::INT8_ARRAY),
+                    (&stampable, tokio_postgres::types::Type::INT8_ARRAY),
+                ],
+            )
+            .await?;
         tx.commit().await?;
         Ok(ReleaseOutcome {
             applied: column(&row, "applied")?,
