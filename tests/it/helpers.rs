@@ -18,18 +18,21 @@ use lapse::runtime::service::Service;
 use lapse::tier_file::TierFile;
 use tokio_util::sync::CancellationToken;
 
+// The services the tests use can be moved with TEST_BROKER_AMQP_URL,
+// TEST_BROKER_MANAGEMENT_URL and TEST_DATABASE_URL (not LAPSE_*: the lapse processes
+// the tests start would take those for configuration keys).
 pub fn amqp_url() -> String {
-    std::env::var("LAPSE_TEST_AMQP_URL")
+    std::env::var("TEST_BROKER_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 pub fn management_url() -> String {
-    std::env::var("LAPSE_TEST_MANAGEMENT_URL")
+    std::env::var("TEST_BROKER_MANAGEMENT_URL")
         .unwrap_or_else(|_| "http://guest:guest@127.0.0.1:15672".into())
 }
 
 pub fn database_admin_url() -> String {
-    std::env::var("LAPSE_TEST_DATABASE_URL")
+    std::env::var("TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 

@@ -349,3 +349,34 @@ fn on_a_terminal(env: &TestEnv, args: &[&str], answer: &str) -> Option<std::proc
     drop(stdin);
     Some(child.wait_with_output().unwrap())
 }
+
+/// RabbitMQ 4.x gives a quorum queue without a delivery limit one of 20, and the
+/// parked queue has no dead-letter exchange: a parked message returned 21 times would
+/// be dropped. lapse sets the parked queue's limit as high as it goes, so a message
+/// given back 25 times (interrupted commands, an outside consumer) is still there, on
+/// 3.x and 4.x alike.
+#[tokio::test]
+async fn a_parked_message_given_back_more_often_than_the_brokers_default_limit_stays() {
+    let env = applied(&["1s"]).await;
+    park(&env, b"{\"returned\": true}", "test").await;
+    let channel = env.conn.create_channel().await.unwrap();
+    let queue = env.names().parked();
+    for round in 0..25 {
+        let got = eventually(Duration::from_secs(10), "the parked message", || async {
+            channel
+                .basic_get(queue.as_str().into(), BasicGetOptions::default())
+                .await
+                .unwrap()
+        })
+        .await;
+        assert_eq!(got.delivery.data, b"{\"returned\": true}", "round {round}");
+        // A reject counts towards the delivery limit on every version (4.3 stopped
+        // counting a nack).
+        got.delivery
+            .reject(BasicRejectOptions { requeue: true })
+            .await
+            .unwrap();
+    }
+    assert_eq!(list(&env).len(), 1, "still parked after 25 returns");
+    env.cleanup().await;
+}

@@ -618,7 +618,8 @@ async fn an_unknown_tier_and_a_poison_message_are_parked_not_dropped() {
 
 /// Queues an older lapse created carry no leader locator: `apply` and `verify` accept
 /// them as they are (the locator only counts at creation), and still find a real
-/// drift on another argument of such a queue.
+/// drift on another argument of such a queue. The same for a parked queue created
+/// without a delivery limit.
 #[tokio::test]
 async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked() {
     let env = TestEnv::new(&["1s", "5s"]).await;
@@ -633,6 +634,10 @@ async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked(
         );
         if q.name == wrong_ttl {
             args.insert("x-message-ttl".into(), ArgValue::Int(7_000));
+        }
+        // Nor did it give the parked queue a delivery limit.
+        if q.name == env.names().parked() {
+            assert!(args.remove("x-delivery-limit").is_some());
         }
         declare_with(&env, &q.name, &args).await;
     }
@@ -669,6 +674,13 @@ async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked(
         .unwrap()
         .unwrap();
     assert!(!old.arguments.contains_key("x-queue-leader-locator"));
+    let parked = env
+        .management
+        .queue("/", &env.names().parked())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!parked.arguments.contains_key("x-delivery-limit"));
     env.cleanup().await;
 }
 

@@ -186,6 +186,9 @@ async fn declare_queue_keeping(
 /// group size (`lapse status`, which does not ask the cluster for its size) accepts
 /// the size the queue was created with.
 fn existing_value(q: &QueueSpec, d: &Drift) -> Option<Option<ArgValue>> {
+    if super::parked_without_limit(q, &d.argument, d.actual == ABSENT) {
+        return Some(None);
+    }
     if d.argument == GROUP_SIZE_ARG {
         if d.actual == ABSENT {
             return Some(None);

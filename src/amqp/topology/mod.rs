@@ -139,6 +139,25 @@ pub const GROUP_SIZE_ARG: &str = "x-quorum-initial-group-size";
 pub const LEADER_LOCATOR_ARG: &str = "x-queue-leader-locator";
 pub const LEADER_LOCATOR: &str = "balanced";
 
+/// The queue argument that bounds how often a quorum queue hands out one message.
+pub const DELIVERY_LIMIT_ARG: &str = "x-delivery-limit";
+
+/// The delivery limit of `<P>.parked`. Set, because RabbitMQ 4.x gives every quorum
+/// queue without one a limit of 20, and the parked queue has no dead-letter exchange:
+/// a parked message returned 21 times (interrupted `lapse parked` commands, an
+/// outside consumer) would be dropped. As high as the argument goes, so that on 3.x
+/// (where a missing limit is unlimited, and `-1` would dead-letter at the first
+/// return) and 4.x alike nothing parked is ever dropped for being returned. A parked
+/// queue created before lapse set it is accepted without it by `apply` and `verify`
+/// (docs/operations.md, "RabbitMQ versions").
+pub const PARKED_DELIVERY_LIMIT: i64 = i32::MAX as i64;
+
+/// True for the parked queue's delivery limit missing on a queue created before lapse
+/// set it: accepted as it is (see [`PARKED_DELIVERY_LIMIT`]).
+pub(crate) fn parked_without_limit(q: &QueueSpec, argument: &str, absent: bool) -> bool {
+    absent && argument == DELIVERY_LIMIT_ARG && q.role == QueueRole::Parked
+}
+
 /// Arguments that only count when the broker creates the queue (see above for what an
 /// existing queue may have of each).
 pub const CREATE_ONLY_ARGS: [&str; 2] = [GROUP_SIZE_ARG, LEADER_LOCATOR_ARG];
@@ -218,7 +237,7 @@ impl Topology {
             arguments: Arguments::from([
                 ("x-queue-type".into(), str_arg("quorum")),
                 (
-                    "x-delivery-limit".into(),
+                    DELIVERY_LIMIT_ARG.into(),
                     ArgValue::Int(i64::from(file.delivery_limit)),
                 ),
                 ("x-dead-letter-exchange".into(), str_arg(&parked)),
@@ -235,7 +254,13 @@ impl Topology {
         queues.push(QueueSpec {
             name: parked.clone(),
             role: QueueRole::Parked,
-            arguments: Arguments::from([("x-queue-type".into(), str_arg("quorum"))]),
+            arguments: Arguments::from([
+                ("x-queue-type".into(), str_arg("quorum")),
+                (
+                    DELIVERY_LIMIT_ARG.into(),
+                    ArgValue::Int(PARKED_DELIVERY_LIMIT),
+                ),
+            ]),
         });
         bindings.push(bind(parked.clone(), &parked, ""));
         queues.push(consumed(

@@ -249,6 +249,9 @@ fn check_queue(report: &mut VerifyReport, q: &QueueSpec, info: &QueueInfo) {
         if key == LEADER_LOCATOR_ARG && have.is_none() {
             continue;
         }
+        if super::parked_without_limit(q, key, have.is_none()) {
+            continue;
+        }
         if !same_value(want, have) {
             problems.push(format!("{key}: wants {want}, has {}", shown(have)));
         }
