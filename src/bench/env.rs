@@ -34,6 +34,9 @@ pub struct BenchEnv {
     workers: Vec<Worker>,
     /// The executable started as `lapse worker` (default: this one).
     pub worker_exe: Option<PathBuf>,
+    /// The database URL the workers use, when not [`BenchEnv::database_url`] (a
+    /// connection pooler in front of it).
+    worker_database_url: Option<Secret>,
 }
 
 /// A `lapse worker` child process (killed when dropped).
@@ -78,6 +81,7 @@ impl BenchEnv {
             declared: Vec::new(),
             workers: Vec::new(),
             worker_exe: None,
+            worker_database_url: None,
         };
         // What a failed setup created is removed again before the error is returned.
         match env.setup().await {
@@ -118,6 +122,23 @@ impl BenchEnv {
         Ok(client)
     }
 
+    /// Makes the workers reach the run's database through a connection pooler at
+    /// `address` (`HOST:PORT`, same user and database names); their relays LISTEN on
+    /// the database directly.
+    pub fn through_pooler(&mut self, address: &str) -> anyhow::Result<()> {
+        let bad = || crate::config::ConfigError {
+            key: "--worker-pooler".into(),
+            problem: format!("{address:?} is not HOST:PORT"),
+        };
+        let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let mut url = url::Url::parse(self.database_url.expose())?;
+        url.set_host(Some(host)).map_err(|_| bad())?;
+        url.set_port(Some(port)).map_err(|_| bad())?;
+        self.worker_database_url = Some(Secret::new(url.to_string()));
+        Ok(())
+    }
+
     /// Starts a `lapse worker` on the benchmark's database and prefix; `env` adds
     /// configuration overrides (`LAPSE_WORKER__PREFETCH`, ...).
     pub fn start_worker(&mut self, env: &[(&str, String)]) -> anyhow::Result<u32> {
@@ -129,8 +150,15 @@ impl BenchEnv {
         if let Some(file) = &self.config_file {
             cmd.arg("--config").arg(file);
         }
+        let database_url = self
+            .worker_database_url
+            .as_ref()
+            .unwrap_or(&self.database_url);
+        if self.worker_database_url.is_some() {
+            cmd.env("LAPSE_RELAY__LISTEN_URL", self.database_url.expose());
+        }
         cmd.arg("worker")
-            .env("LAPSE_DATABASE__URL", self.database_url.expose())
+            .env("LAPSE_DATABASE__URL", database_url.expose())
             .env("LAPSE_BROKER__PREFIX", &self.names.prefix)
             .env("LAPSE_WORKER__MIGRATE_ON_START", "false")
             .env(

@@ -85,6 +85,12 @@ pub struct BenchArgs {
     /// builds against the same load generator).
     #[arg(long, value_name = "FILE")]
     worker_exe: Option<PathBuf>,
+    /// The workers reach the run's database through a connection pooler listening at
+    /// HOST:PORT (e.g. PgBouncer in transaction mode, with the same user and database
+    /// names); their relays LISTEN directly (`relay.listen_url`). The generator and
+    /// the measurements connect directly, as the shop's application would.
+    #[arg(long, value_name = "HOST:PORT")]
+    worker_pooler: Option<String>,
     /// Print the report as JSON on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -155,6 +161,12 @@ pub async fn run(
     let interrupt = tokio::signal::ctrl_c();
     let mut env = bench::env::BenchEnv::create(config, config_file, &prefix, &database).await?;
     env.worker_exe = args.worker_exe.clone();
+    if let Some(pooler) = &args.worker_pooler
+        && let Err(e) = env.through_pooler(pooler)
+    {
+        let _ = env.cleanup().await;
+        return Err(e);
+    }
     let outcome = tokio::select! {
         biased;
         _ = interrupt => None,
