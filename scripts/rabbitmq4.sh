@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes a Debian 13 (trixie) root holding RabbitMQ 4.x and its Erlang, for the tests
-# that run a private 4.x node next to the system's 3.x (tests/it/rabbitmq4.rs):
+# that run a private 4.x node next to the system's 3.x (scripts/test-rabbitmq4.sh):
 # Debian 12 ships only RabbitMQ 3.10. The node runs from this root with chroot, on
 # ports of its own; nothing is installed into the host but debootstrap.
 # Idempotent: prints the root's path (LAPSE_RABBITMQ4_ROOT, default below).

@@ -11,16 +11,21 @@ if [ "${LAPSE_RABBITMQ4:-1}" = 0 ]; then
   exit 0
 fi
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-# AMQP, management, the node's epmd (+1000) and distribution (+2000) ports, all free,
-# below the kernel's ephemeral range.
+# AMQP, management, the node's epmd (+1000), distribution (+2000) and CLI (+3000 to
+# +3010) ports, all free, below the kernel's ephemeral range.
+ok=0
 for _ in $(seq 1 50); do
-  amqp=$((20000 + RANDOM % 8000))
+  amqp=$((20000 + RANDOM % 5000))
   ok=1
-  for p in $amqp $((amqp + 1)) $((amqp + 1000)) $((amqp + 2000)); do
-    port_open "$p" && ok=0
+  for p in $amqp $((amqp + 1)) $((amqp + 1000)) $((amqp + 2000)) $(seq $((amqp + 3000)) $((amqp + 3010))); do
+    if port_open "$p"; then ok=0; break; fi
   done
   [ $ok = 1 ] && break
 done
+if [ $ok = 0 ]; then
+  echo "[rabbitmq4] no free set of ports found" >&2
+  exit 1
+fi
 mgmt=$((amqp + 1))
 stop() { bash scripts/rabbitmq4-node.sh stop "$amqp" || true; }
 trap stop EXIT

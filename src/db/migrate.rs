@@ -61,6 +61,9 @@ pub async fn migrate_shard(
     run_migrations(url, Some((settings, position))).await
 }
 
+/// How long the migration transaction may sit idle between two of lapse's statements.
+const MIGRATION_IDLE: Duration = Duration::from_secs(60);
+
 /// How long one try waits for the migration lock (shown in `pg_locks` meanwhile).
 const LOCK_WAIT: Duration = Duration::from_secs(1);
 
@@ -88,12 +91,20 @@ async fn migrate_locked(
     let mut pause = Duration::from_millis(100);
     let mut waited = Duration::ZERO;
     let tx = loop {
-        let tx = client.transaction().await?;
-        // A long migration is not cut short by a server-wide idle limit between its
-        // statements; the wait for the lock is, so that a waiter gives its server
-        // connection back between tries.
+        // Read committed whatever the server's default: a migrator that waited for
+        // the lock must see the history the one before it committed.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await?;
+        // lapse sends a migration's statements back to back, so a minute idle means
+        // a frozen or cut-off migrator: its lock must not stop every other one for
+        // as long as TCP takes to notice. The wait for the lock is bounded too, so
+        // that a waiter gives its server connection back between tries.
         tx.batch_execute(&format!(
-            "SET LOCAL idle_in_transaction_session_timeout = 0; SET LOCAL lock_timeout = {}",
+            "SET LOCAL idle_in_transaction_session_timeout = {}; SET LOCAL lock_timeout = {}",
+            MIGRATION_IDLE.as_millis(),
             LOCK_WAIT.as_millis()
         ))
         .await?;
@@ -132,6 +143,8 @@ async fn migrate_locked(
     let mut within = InTransaction(tx);
     let report = migrations::runner().run_async(&mut within).await?;
     let tx = within.0;
+    tx.batch_execute("SET LOCAL lock_timeout TO DEFAULT")
+        .await?;
     if let Some((settings, position)) = settings {
         write_settings(&tx, settings).await?;
         position::record(&tx, position).await?;
@@ -151,6 +164,11 @@ impl AsyncTransaction for InTransaction<'_> {
         &'a mut self,
         queries: T,
     ) -> Result<usize, tokio_postgres::Error> {
+        // Each migration starts with the server's lock timeout: a `SET LOCAL` of an
+        // earlier migration in this transaction does not bound the next one.
+        self.0
+            .batch_execute("SET LOCAL lock_timeout TO DEFAULT")
+            .await?;
         let mut count = 0;
         for query in queries {
             self.0.batch_execute(query).await?;
@@ -166,27 +184,30 @@ impl AsyncQuery<Vec<Migration>> for InTransaction<'_> {
         query: &'a str,
     ) -> Result<Vec<Migration>, tokio_postgres::Error> {
         // The history as refinery writes it: version, name, applied_on (RFC 3339) and
-        // checksum (a u64 as text). A value that does not parse is read as the epoch
-        // or checksum 0: refinery then reports the migration as divergent, instead of
-        // the panic of its own reader.
+        // checksum (a u64 as text). A value that is missing or does not parse is read
+        // as the epoch, an empty name or checksum 0: refinery then reports the
+        // migration as divergent, instead of the panic of its own reader.
         let rows = self.0.query_typed(query, &[]).await?;
-        Ok(rows
-            .iter()
+        let text = |row: &tokio_postgres::Row, i: usize| -> String {
+            row.try_get::<_, Option<String>>(i)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
+        rows.iter()
             .map(|row| {
-                let applied_on: String = row.get(2);
-                let checksum: String = row.get(3);
-                Migration::applied(
-                    row.get(0),
-                    row.get(1),
+                Ok(Migration::applied(
+                    row.try_get(0)?,
+                    text(row, 1),
                     time::OffsetDateTime::parse(
-                        &applied_on,
+                        &text(row, 2),
                         &time::format_description::well_known::Rfc3339,
                     )
                     .unwrap_or(time::OffsetDateTime::UNIX_EPOCH),
-                    checksum.parse().unwrap_or(0),
-                )
+                    text(row, 3).parse().unwrap_or(0),
+                ))
             })
-            .collect())
+            .collect()
     }
 }
 

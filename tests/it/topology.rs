@@ -659,6 +659,12 @@ async fn queues_created_without_a_leader_locator_are_accepted_and_still_checked(
     assert!(apply.status.success(), "{}", stdout(&apply));
     let verify = env.lapse(&["topology", "verify"]);
     assert!(verify.status.success(), "{}", stdout(&verify));
+    // The parked queue without a limit is pointed out, with what to do on 4.x.
+    let noted = stdout(&verify);
+    assert!(
+        noted.contains("created without x-delivery-limit") && noted.contains("policy of -1"),
+        "{noted}"
+    );
     // The re-created queue has the locator; the others kept what they had.
     let recreated = env
         .management

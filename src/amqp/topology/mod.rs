@@ -149,7 +149,7 @@ pub const DELIVERY_LIMIT_ARG: &str = "x-delivery-limit";
 /// (where a missing limit is unlimited, and `-1` would dead-letter at the first
 /// return) and 4.x alike nothing parked is ever dropped for being returned. A parked
 /// queue created before lapse set it is accepted without it by `apply` and `verify`
-/// (docs/operations.md, "RabbitMQ versions").
+/// (docs/operations.md, "Compatibility").
 pub const PARKED_DELIVERY_LIMIT: i64 = i32::MAX as i64;
 
 /// True for the parked queue's delivery limit missing on a queue created before lapse
