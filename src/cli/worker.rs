@@ -53,10 +53,11 @@ pub struct WorkerArgs {
     /// Do not run the backstop sweeper.
     #[arg(long)]
     no_sweeper: bool,
-    /// Serve GET /metrics (Prometheus), GET /livez, GET /readyz and GET /health on this address (e.g.
-    /// 127.0.0.1:9464); an address that cannot be bound is a startup error.
-    #[arg(long, value_name = "ADDR")]
-    metrics_listen: Option<SocketAddr>,
+    /// Serve GET /metrics (Prometheus), GET /livez, GET /readyz and GET /health on this
+    /// HOST:PORT (e.g. 127.0.0.1:9464, localhost:9464); overrides worker.metrics_listen.
+    /// An address that cannot be bound is a startup error.
+    #[arg(long, value_name = "HOST:PORT", value_parser = listen_address)]
+    metrics_listen: Option<String>,
 }
 
 // Over 60 lines on purpose: the start-up sequence in order (bind, migrate or check, start, serve, wait, report); each step is one call and the order is the point.
@@ -67,11 +68,18 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     w.releaser &= !args.no_releaser;
     w.sweeper &= !args.no_sweeper;
     // Bind before anything starts: an address that cannot be bound is a startup error.
-    let endpoint = match args.metrics_listen {
-        Some(addr) => {
+    let (key, address) = match (&args.metrics_listen, &config.worker.metrics_listen) {
+        (Some(address), _) => ("--metrics-listen", Some(address.clone())),
+        (None, address) => ("worker.metrics_listen", address.clone()),
+    };
+    let endpoint = match address {
+        Some(address) => {
+            let addr = resolve(&address)
+                .await
+                .with_context(|| format!("cannot listen on {key} {address}"))?;
             let listener = http::bind(addr)
                 .await
-                .with_context(|| format!("cannot listen on --metrics-listen {addr}"))?;
+                .with_context(|| format!("cannot listen on {key} {address}"))?;
             Some((listener, http::install_recorder()?))
         }
         None => None,
@@ -264,4 +272,20 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         .into());
     }
     Ok(())
+}
+
+fn listen_address(text: &str) -> Result<String, String> {
+    crate::config::listen_address(text).map(|()| text.trim().to_string())
+}
+
+/// The address `HOST:PORT` resolves to: its first IPv4 address, else its first (so
+/// `localhost` is 127.0.0.1, where scrapers look, even where the system lists ::1
+/// first).
+async fn resolve(address: &str) -> anyhow::Result<SocketAddr> {
+    let all: Vec<SocketAddr> = tokio::net::lookup_host(address.trim()).await?.collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("{address} resolves to no address"))
 }

@@ -184,6 +184,11 @@ pub struct WorkerConfig {
     /// stalled: `GET /livez` answers 503 so that a supervisor restarts the process.
     #[serde(with = "humantime_serde")]
     pub stall_limit: Duration,
+    /// Where `lapse worker` serves /metrics, /livez, /readyz and /health: `HOST:PORT`
+    /// (`127.0.0.1:9464`, `localhost:9464`, `[::1]:9464`, `0.0.0.0:9464`). Unset: not
+    /// served. `--metrics-listen` overrides it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -292,6 +297,7 @@ impl Default for Config {
                 closes_per_second: 0,
                 lock_retry: Duration::from_millis(500),
                 stall_limit: Duration::from_secs(60),
+                metrics_listen: None,
             },
             relay: RelayConfig {
                 tier_tolerance: Duration::from_millis(50),
@@ -333,6 +339,9 @@ impl Config {
         shards::validate_listen_urls(&self.database, self.relay.listen_url.as_ref())?;
         positive("database.pool_size", self.database.pool_size as u64)?;
         positive("worker.prefetch", u64::from(self.worker.prefetch))?;
+        if let Some(address) = &self.worker.metrics_listen {
+            listen_address(address).map_err(|p| ConfigError::new("worker.metrics_listen", p))?;
+        }
         positive("worker.batch_size", self.worker.batch_size as u64)?;
         positive("worker.max_attempts", u64::from(self.worker.max_attempts))?;
         positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
@@ -419,6 +428,22 @@ fn positive(key: &str, value: u64) -> Result<(), ConfigError> {
 }
 
 /// A prefix becomes the first component of every queue and exchange name.
+/// `HOST:PORT` of a listener (an IPv6 address in brackets), checked for its form; the
+/// host is resolved when the listener is bound.
+pub fn listen_address(address: &str) -> Result<(), String> {
+    let bad = || format!("{address:?} is not HOST:PORT (e.g. 127.0.0.1:9464 or localhost:9464)");
+    let (host, port) = address.trim().rsplit_once(':').ok_or_else(bad)?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    if host.is_empty() || host.contains(':') && !address.trim().starts_with('[') {
+        return Err(bad());
+    }
+    port.parse::<u16>().map_err(|_| bad())?;
+    Ok(())
+}
+
 pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
     let bad = |problem: &str| Err(ConfigError::new("broker.prefix", problem));
     if prefix.is_empty() {

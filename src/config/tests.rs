@@ -460,3 +460,34 @@ fn relay_listen_url_is_one_url_or_one_per_shard() {
         Ok(())
     });
 }
+
+#[test]
+fn worker_metrics_listen_is_host_and_port() {
+    Jail::expect_with(|jail| {
+        for bad in [
+            "9464",
+            "localhost",
+            ":9464",
+            "localhost:http",
+            "::1:9464",
+            "h:70000",
+        ] {
+            jail.create_file("lapse.toml", &format!("[worker]\nmetrics_listen = {bad:?}"))?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, "worker.metrics_listen", "{bad}");
+        }
+        for good in [
+            "localhost:9464",
+            "127.0.0.1:9464",
+            "[::1]:9464",
+            "0.0.0.0:9464",
+        ] {
+            jail.create_file(
+                "lapse.toml",
+                &format!("[worker]\nmetrics_listen = {good:?}"),
+            )?;
+            assert_eq!(load().unwrap().worker.metrics_listen.as_deref(), Some(good));
+        }
+        Ok(())
+    });
+}

@@ -175,3 +175,21 @@ async fn a_client_gone_silent_mid_request_does_not_hold_the_worker_s_shutdown() 
     );
     drop(stalled);
 }
+
+/// `worker.metrics_listen` (here from the environment) serves the endpoints too, and
+/// takes a host name: `localhost` is bound as 127.0.0.1.
+#[tokio::test]
+async fn metrics_listen_from_the_configuration_takes_localhost() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let port = free_port();
+    let address = format!("localhost:{port}");
+    let mut worker =
+        crate::helpers::spawn_worker(&env, &[("LAPSE_WORKER__METRICS_LISTEN", &address)]);
+    eventually(Duration::from_secs(30), "/livez on localhost", || async {
+        let (status, _) = get(port, "/livez").await?;
+        (status == 200).then_some(())
+    })
+    .await;
+    let _ = worker.kill().await;
+    env.cleanup().await;
+}
