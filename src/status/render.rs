@@ -110,7 +110,32 @@ impl Status {
     }
 }
 
-/// A duration in milliseconds with one decimal, or `-` when there is none.
+/// A duration given in milliseconds, as a person reads it: `12.3 ms` below a second,
+/// `4.2 s` below a minute, then `2h 5m 3s`; `-` when there is none.
 fn ms(v: Option<f64>) -> String {
-    v.map_or("-".to_string(), |v| format!("{v:.1} ms"))
+    match v {
+        Some(v) if v.is_finite() && v.abs() < 1_000.0 => format!("{v:.1} ms"),
+        Some(v) if v.is_finite() && v.abs() < 60_000.0 => format!("{:.1} s", v / 1_000.0),
+        Some(v) if v.is_finite() => {
+            humantime::format_duration(Duration::from_secs((v / 1_000.0).max(0.0) as u64))
+                .to_string()
+        }
+        _ => "-".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ms;
+
+    #[test]
+    fn durations_read_as_a_person_would_say_them() {
+        assert_eq!(ms(None), "-");
+        assert_eq!(ms(Some(f64::NAN)), "-");
+        assert_eq!(ms(Some(12.34)), "12.3 ms");
+        assert_eq!(ms(Some(4_200.0)), "4.2 s");
+        assert_eq!(ms(Some(7_200_000.0)), "2h");
+        assert_eq!(ms(Some(7_383_000.0)), "2h 3m 3s");
+        assert_eq!(ms(Some(3.0 * 86_400_000.0)), "3days");
+    }
 }
