@@ -20,6 +20,8 @@ pub const RELAY_PUBLISHED: &str = "lapse_relay_published_total";
 pub const RELAY_REFUSED: &str = "lapse_relay_refused_total";
 pub const OUTBOX_ROWS: &str = "lapse_outbox_rows";
 pub const RELAY_NOTIFICATIONS: &str = "lapse_relay_notifications";
+pub const ORDERS_OVERDUE: &str = "lapse_orders_overdue";
+pub const ORDERS_OVERDUE_OLDEST_AGE: &str = "lapse_orders_overdue_oldest_seconds";
 pub const OUTBOX_OLDEST_AGE: &str = "lapse_outbox_oldest_age_seconds";
 pub const OUTBOX_STUCK: &str = "lapse_outbox_stuck_rows";
 pub const RELEASES: &str = "lapse_releases_total";
@@ -104,6 +106,16 @@ pub fn describe() {
         RELAY_REFUSED,
         Unit::Count,
         "Outbox rows whose publish the broker refused (a full wait tier); retried later."
+    );
+    describe_gauge!(
+        ORDERS_OVERDUE,
+        Unit::Count,
+        "UNPAID orders whose deadline has passed (database clock), counted up to 100,000, sampled every 5 s by every relay (by shard, with database.shards)."
+    );
+    describe_gauge!(
+        ORDERS_OVERDUE_OLDEST_AGE,
+        Unit::Seconds,
+        "How long the oldest UNPAID order is past its deadline (0 when none), sampled every 5 s by every relay (by shard, with database.shards)."
     );
     describe_gauge!(
         RELAY_NOTIFICATIONS,

@@ -193,3 +193,45 @@ async fn metrics_listen_from_the_configuration_takes_localhost() {
     let _ = worker.kill().await;
     env.cleanup().await;
 }
+
+/// Orders past their deadline that nothing closes (their intents lost, the sweeper
+/// off) show on `/metrics`: how many, and how long the oldest is overdue.
+#[tokio::test]
+async fn overdue_orders_show_on_metrics() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    crate::helpers::create_orders(
+        &mut db,
+        &[Duration::from_millis(1); 3],
+        &[lapse::orders::Line {
+            sku: "forgotten".into(),
+            qty: 1,
+        }],
+    )
+    .await;
+    db.execute("DELETE FROM outbox", &[]).await.unwrap();
+    let port = free_port();
+    let address = format!("127.0.0.1:{port}");
+    let mut worker = crate::helpers::spawn_worker(
+        &env,
+        &[
+            ("LAPSE_WORKER__METRICS_LISTEN", &address),
+            ("LAPSE_WORKER__SWEEPER", "false"),
+        ],
+    );
+    let value = |text: &str, name: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    };
+    eventually(Duration::from_secs(30), "the overdue gauges", || async {
+        let (_, text) = get(port, "/metrics").await?;
+        let overdue = value(&text, "lapse_orders_overdue")?;
+        let oldest = value(&text, "lapse_orders_overdue_oldest_seconds")?;
+        (overdue == 3.0 && oldest > 0.0).then_some(())
+    })
+    .await;
+    let _ = worker.kill().await;
+    env.cleanup().await;
+}
