@@ -35,10 +35,18 @@ pub enum ExitStatus {
     Unreachable = 3,
 }
 
+/// `lapse --version`: the package version and the commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("BUILD_GIT_COMMIT"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "lapse",
-    version,
+    version = VERSION,
     about = "Closes unpaid orders when their payment deadline passes",
     after_help = help::after(
         &[

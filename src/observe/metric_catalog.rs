@@ -200,9 +200,9 @@ pub fn describe() {
     describe_gauge!(
         BUILD_INFO,
         Unit::Count,
-        "Always 1; the version label says which lapse is running."
+        "Always 1; the version and commit labels say which lapse is running."
     );
-    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("BUILD_GIT_COMMIT")).set(1.0);
     // Series that exist from the start (at zero), so that rates and alerts see them.
     for path in ["timeout", "sweeper"] {
         metrics::counter!(CLOSES, "path" => path).increment(0);

@@ -123,13 +123,23 @@ fn every_command_describes_its_arguments_and_ends_with_examples_and_exit_codes()
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The package version and the commit the binary was built from (this checkout's
+/// HEAD when the tests run in one).
 #[test]
-fn version_prints_the_package_version() {
+fn version_prints_the_package_version_and_the_commit() {
     let out = run_lapse(&["--version"], &[]);
     assert_eq!(out.status.code(), Some(0));
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
     assert_eq!(
         stdout(&out).trim(),
-        format!("lapse {}", env!("CARGO_PKG_VERSION"))
+        format!("lapse {} (commit {head})", env!("CARGO_PKG_VERSION"))
     );
 }
 
