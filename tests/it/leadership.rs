@@ -35,8 +35,19 @@ fn sweeping_worker(env: &TestEnv) -> tokio::process::Child {
         .unwrap()
 }
 
-async fn closed(db: &tokio_postgres::Client) -> i64 {
+pub(crate) async fn closed(db: &tokio_postgres::Client) -> i64 {
     count(db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await
+}
+
+/// Who holds the sweeper's lease (`pid <pid> ...`).
+pub(crate) async fn sweeper_lease_holder(db: &tokio_postgres::Client) -> String {
+    db.query_one(
+        "SELECT holder FROM lapse_leader_leases WHERE name = 'sweeper'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get("holder")
 }
 
 #[tokio::test]
@@ -76,14 +87,7 @@ async fn a_frozen_sweeper_leader_loses_the_lead_and_another_worker_sweeps() {
         || async { (closed(&db).await == ORDERS).then_some(()) },
     )
     .await;
-    let holder: String = db
-        .query_one(
-            "SELECT holder FROM lapse_leader_leases WHERE name = 'sweeper'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get("holder");
+    let holder = sweeper_lease_holder(&db).await;
     let other_pid = other.id().unwrap();
     assert!(
         holder.starts_with(&format!("pid {other_pid} ")),

@@ -13,6 +13,7 @@ use crate::helpers::{
     TestEnv, assert_never_early, count, database_admin_url, eventually, lapse_process, run_lapse,
     signal, spawn_worker, stderr, stdout, wait_released,
 };
+use crate::leadership::{closed, sweeper_lease_holder};
 use crate::private_pgbouncer::{PrivatePgBouncer, shared};
 
 /// A fresh database (created directly: PgBouncer forwards to databases that exist),
@@ -64,10 +65,6 @@ async fn migrate_twice_at_once(env: &TestEnv) {
     .await;
     assert_eq!(repeated, 0, "a migration applied twice");
     assert!(count(&db, "SELECT count(*) FROM refinery_schema_history").await >= 11);
-}
-
-async fn closed(db: &tokio_postgres::Client) -> i64 {
-    count(db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await
 }
 
 /// Every order created through the pooler is paid at its deadline by a `lapse order
@@ -219,14 +216,7 @@ async fn a_frozen_sweeper_leader_is_replaced_through_pgbouncer() {
     )
     .await;
     let took = frozen_at.elapsed();
-    let holder: String = db
-        .query_one(
-            "SELECT holder FROM lapse_leader_leases WHERE name = 'sweeper'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get("holder");
+    let holder = sweeper_lease_holder(&db).await;
     assert!(
         holder.starts_with(&format!("pid {} ", other.id().unwrap())),
         "the other worker leads: {holder} (after {took:?})"
