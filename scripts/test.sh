@@ -13,4 +13,6 @@ cargo test --locked "$@"
 # arguments (a filter, say): they would not apply to that subset.
 if [ $# -eq 0 ]; then
   bash scripts/test-rabbitmq4.sh
+  # The container image, where a Docker engine answers (skipped loudly otherwise).
+  bash scripts/test-image.sh
 fi

@@ -14,6 +14,7 @@ pub mod help;
 mod migrate;
 mod order;
 mod parked;
+mod probe;
 mod status;
 mod topology;
 mod worker;
@@ -137,6 +138,21 @@ pub enum Command {
         #[command(subcommand)]
         action: parked::ParkedCommand,
     },
+    /// Ask a running worker whether it is live (or ready): exit 0 if so, for a
+    /// container HEALTHCHECK or a supervisor.
+    #[command(after_help = help::after(
+        &[
+            "lapse probe",
+            "lapse probe --ready --address 127.0.0.1:9464",
+        ],
+        &[
+            help::OK,
+            (1, "the worker answered that it is stalled (or not ready)"),
+            (2, "no address: worker.metrics_listen is not set and --address not given"),
+            (3, "the worker did not answer"),
+        ],
+    ))]
+    Probe(probe::ProbeArgs),
     /// Measure lateness, throughput and CPU per order on these services, next to the
     /// broker alone, in a database and broker prefix of its own.
     Bench(bench::BenchArgs),
@@ -194,6 +210,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),
         Command::Parked { action } => parked::run(&config, action).await,
+        Command::Probe(args) => probe::run(&config, args).await,
         Command::Bench(args) => bench::run(&config, cli.config.clone(), args).await,
     }
 }

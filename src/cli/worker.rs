@@ -7,8 +7,6 @@
 //! its schema) does not exist while `worker.migrate_on_start` is off. A database or
 //! broker that merely does not answer is waited for (with back-off), not an exit.
 
-use std::net::SocketAddr;
-
 use anyhow::Context;
 use clap::Args;
 
@@ -74,7 +72,7 @@ pub async fn run(mut config: Config, args: WorkerArgs) -> anyhow::Result<ExitSta
     };
     let endpoint = match address {
         Some(address) => {
-            let addr = resolve(&address)
+            let addr = http::resolve(&address)
                 .await
                 .with_context(|| format!("cannot listen on {key} {address}"))?;
             let listener = http::bind(addr)
@@ -276,16 +274,4 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
 
 fn listen_address(text: &str) -> Result<String, String> {
     crate::config::listen_address(text).map(|()| text.trim().to_string())
-}
-
-/// The address `HOST:PORT` resolves to: its first IPv4 address, else its first (so
-/// `localhost` is 127.0.0.1, where scrapers look, even where the system lists ::1
-/// first).
-async fn resolve(address: &str) -> anyhow::Result<SocketAddr> {
-    let all: Vec<SocketAddr> = tokio::net::lookup_host(address.trim()).await?.collect();
-    all.iter()
-        .find(|a| a.is_ipv4())
-        .or(all.first())
-        .copied()
-        .ok_or_else(|| anyhow::anyhow!("{address} resolves to no address"))
 }

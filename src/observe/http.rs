@@ -44,8 +44,14 @@ pub fn install_recorder() -> std::io::Result<PrometheusHandle> {
         .install_recorder()
         .map_err(std::io::Error::other)?;
     m::describe();
+    PROCESS.describe();
     Ok(handle)
 }
+
+/// The standard `process_*` metrics (CPU seconds, resident memory, open file
+/// descriptors, threads, start time), read from the system at each scrape.
+static PROCESS: std::sync::LazyLock<metrics_process::Collector> =
+    std::sync::LazyLock::new(metrics_process::Collector::default);
 
 /// Binds the endpoint's address; do this before starting anything, so that an address
 /// that cannot be bound is a startup error.
@@ -146,6 +152,7 @@ fn json(ok: bool, body: serde_json::Value) -> Response {
 }
 
 async fn metrics_text(State(e): State<Endpoint>) -> Response {
+    PROCESS.collect();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         e.metrics.render(),
@@ -202,4 +209,21 @@ async fn not_found() -> Response {
         "try /metrics, /livez, /readyz or /health\n",
     )
         .into_response()
+}
+
+/// The address `HOST:PORT` resolves to: its first IPv4 address, else its first (so
+/// `localhost` is 127.0.0.1, where scrapers look, even where the system lists ::1
+/// first).
+pub async fn resolve(address: &str) -> std::io::Result<SocketAddr> {
+    let all: Vec<SocketAddr> = tokio::net::lookup_host(address.trim()).await?.collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{address} resolves to no address"),
+            )
+        })
 }

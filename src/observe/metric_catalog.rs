@@ -45,8 +45,24 @@ pub const LATENESS_BUCKETS: [f64; 16] = [
 
 /// Registers the help text of every metric, and `lapse_build_info`; call once, after
 /// the recorder is installed.
-// Over 60 lines on purpose: one describe call per metric: it is the catalogue itself.
 pub fn describe() {
+    describe_all();
+    // Counters whose labels are known in advance exist from the start at 0: a rate or
+    // an increase over them is 0, not "no data", until the first event.
+    metrics::counter!(RELEASES).increment(0);
+    for reason in ["not_due", "database_retry"] {
+        metrics::counter!(REDELAYS, "reason" => reason).increment(0);
+    }
+    for reason in ["not_due", "locked"] {
+        metrics::counter!(HOLDS, "reason" => reason).increment(0);
+    }
+    for path in ["timeout", "sweeper"] {
+        metrics::counter!(CLOSES, "path" => path).increment(0);
+    }
+}
+
+// Over 60 lines on purpose: one describe call per metric: it is the catalogue itself.
+fn describe_all() {
     describe_histogram!(
         CLOSE_LATENESS,
         Unit::Seconds,

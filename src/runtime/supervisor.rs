@@ -120,6 +120,9 @@ impl Supervisor {
             started: Instant::now(),
         });
         self.health.started(name);
+        // The series exists from the start at 0, so `increase()` sees the first restart.
+        metrics::counter!(crate::observe::metric_catalog::RESTARTS, "component" => name)
+            .increment(0);
         self.spawn(self.specs.len() - 1, Duration::ZERO);
     }
 

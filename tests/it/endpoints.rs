@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::helpers::{TestEnv, eventually};
+use crate::helpers::{TestEnv, eventually, run_lapse, stderr, stdout};
 
 pub(crate) use crate::helpers::free_port;
 
@@ -90,6 +90,26 @@ async fn health_and_metrics_are_served_and_health_reports_a_lost_broker() {
         },
     )
     .await;
+    // The standard process metrics, of the worker's own process.
+    let (_, body) = get(port, "/metrics").await.unwrap();
+    let value = |name: &str| -> f64 {
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{body}"))
+    };
+    assert!(value("process_resident_memory_bytes") > 1_000_000.0);
+    assert!(value("process_open_fds") >= 3.0);
+    assert!(value("process_threads") >= 1.0);
+    assert!(value("process_cpu_seconds_total") > 0.0);
+    let started = value("process_start_time_seconds");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        started <= now && started > now - 300.0,
+        "{started} vs {now}"
+    );
     assert_eq!(get(port, "/nothing").await.unwrap().0, 404);
     worker.kill().await.unwrap();
 
@@ -190,7 +210,32 @@ async fn metrics_listen_from_the_configuration_takes_localhost() {
         (status == 200).then_some(())
     })
     .await;
+    // `lapse probe` finds the worker through the same key.
+    let config = env.config_path();
+    let probe = |args: &[&str]| {
+        let mut full = vec!["--config", config.to_str().unwrap(), "probe"];
+        full.extend_from_slice(args);
+        run_lapse(&full, &[("LAPSE_WORKER__METRICS_LISTEN", &address)])
+    };
+    let live = probe(&[]);
+    assert_eq!(live.status.code(), Some(0), "{}", stderr(&live));
+    assert!(stdout(&live).starts_with("livez: "), "{}", stdout(&live));
+    eventually(Duration::from_secs(30), "lapse probe --ready", || async {
+        (probe(&["--ready"]).status.code() == Some(0)).then_some(())
+    })
+    .await;
     let _ = worker.kill().await;
+    let _ = worker.wait().await;
+    let gone = probe(&[]);
+    assert_eq!(gone.status.code(), Some(3), "{}", stderr(&gone));
+    // Without the key or --address it cannot know where to ask.
+    let nowhere = env.lapse(&["probe"]);
+    assert_eq!(nowhere.status.code(), Some(2), "{}", stderr(&nowhere));
+    assert!(
+        stderr(&nowhere).contains("worker.metrics_listen"),
+        "{}",
+        stderr(&nowhere)
+    );
     env.cleanup().await;
 }
 

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::endpoints::{free_port, get};
 use crate::helpers::{
-    TestEnv, assert_never_early, count, create_orders, eventually, signal, wait_released,
+    TestEnv, assert_never_early, count, create_orders, eventually, signal, stderr, wait_released,
 };
 
 /// `lapse worker` with this env's config; stderr (the logs) is kept only when
@@ -117,12 +117,18 @@ async fn a_hung_database_call_fails_livez_unless_the_statement_timeout_ends_it()
     assert_eq!(health["status"], "stalled", "{health}");
     assert_eq!(health["components"]["relay"]["stalled"], true, "{health}");
     assert_eq!(health["components"]["consumer"]["stalled"], false);
+    // `lapse probe` (the image's HEALTHCHECK) says the same with its exit status.
+    let probe = env.lapse(&["probe", "--address", &listen]);
+    assert_eq!(probe.status.code(), Some(1), "{}", stderr(&probe));
+    assert!(stderr(&probe).contains("stalled"), "{}", stderr(&probe));
 
     db.batch_execute("ROLLBACK").await.unwrap();
     eventually(Duration::from_secs(20), "live again", || async {
         (get(port, "/livez").await?.0 == 200).then_some(())
     })
     .await;
+    let probe = env.lapse(&["probe", "--address", &listen]);
+    assert_eq!(probe.status.code(), Some(0), "{}", stderr(&probe));
     drop(_stuck);
 
     // The same hang with a statement timeout shorter than the stall limit: the call

@@ -118,17 +118,30 @@ impl Prometheus {
     }
 }
 
-/// Every query of the dashboard, with its panel's title.
+/// Every query of the dashboard, with its panel's title, as Grafana sends it with
+/// every instance selected (`$instance` is the variable's "All" value, `.+`). Checks on
+/// the way that the dashboard is importable anywhere: every panel and query takes its
+/// data source from the `datasource` variable, and an `instance` variable exists.
 fn dashboard_queries() -> Vec<(String, String)> {
     let text = std::fs::read_to_string(repo_file("deploy/grafana/lapse.json")).unwrap();
     let dashboard: Value = serde_json::from_str(&text).unwrap();
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    let variable = |name: &str| variables.iter().find(|v| v["name"] == name).cloned();
+    assert_eq!(variable("datasource").unwrap()["type"], "datasource");
+    let instance = variable("instance").expect("an instance variable");
+    assert_eq!(instance["allValue"], ".+", "{instance}");
     let mut queries = Vec::new();
     for panel in dashboard["panels"].as_array().unwrap() {
+        if panel["type"] == "row" {
+            continue;
+        }
+        let title = panel["title"].as_str().unwrap().to_string();
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}");
         for target in panel["targets"].as_array().unwrap() {
-            queries.push((
-                panel["title"].as_str().unwrap().to_string(),
-                target["expr"].as_str().unwrap().to_string(),
-            ));
+            assert_eq!(target["datasource"]["uid"], "${datasource}", "{title}");
+            let expr = target["expr"].as_str().unwrap();
+            assert!(expr.contains("instance=~\"$instance\""), "{title}: {expr}");
+            queries.push((title.clone(), expr.replace("$instance", ".+")));
         }
     }
     queries
@@ -183,9 +196,31 @@ async fn a_real_prometheus_counts_every_close_and_every_dashboard_query_returns_
         .await;
     assert!(!buckets.is_empty(), "buckets up to 60 s");
 
+    // A message the worker cannot decode, for the parked-by-reason panel.
+    let channel = env.conn.create_channel().await.unwrap();
+    channel
+        .basic_publish(
+            "".into(),
+            env.names().due_queue().as_str().into(),
+            Default::default(),
+            b"\xff not a timeout",
+            Default::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the message parked", || async {
+        let n = prometheus
+            .scalar("sum(lapse_parked_total{reason=\"undecodable\"})")
+            .await?;
+        (n >= 1.0).then_some(())
+    })
+    .await;
+
     // Every panel's query is accepted and has data.
     let queries = dashboard_queries();
-    assert!(queries.len() >= 9, "{queries:?}");
+    assert!(queries.len() >= 20, "{queries:?}");
     for (panel, expr) in &queries {
         eventually(
             Duration::from_secs(30),
