@@ -62,6 +62,10 @@ pub struct Status {
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
+    /// Rows retention pruned ever (timeline, ledger, settled late payments).
+    pub retention_pruned: i64,
+    /// How long ago the last retention batch ran; `None` before the first.
+    pub retention_last_ms: Option<f64>,
     /// With `database.shards`: each shard's own figures (the fields above are then
     /// all shards together: counts summed, the oldest of each, the worst lateness).
     /// Empty, and left out, with one database.
@@ -89,6 +93,8 @@ pub struct ShardStatus {
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
+    pub retention_pruned: i64,
+    pub retention_last_ms: Option<f64>,
 }
 
 /// Closes in this many minutes count as recent.
@@ -202,6 +208,7 @@ pub async fn order_figures<C: GenericClient>(
         )
         .await
         .map_err(DbError::from)?;
+    let (retention_pruned, retention_last_ms) = crate::components::retention::pruned(db).await?;
     Ok(ShardStatus {
         shard,
         overdue_unpaid: column(&overdue, "overdue")?,
@@ -220,6 +227,8 @@ pub async fn order_figures<C: GenericClient>(
         lateness_p50_ms: column(&recent, "p50_ms")?,
         lateness_p99_ms: column(&recent, "p99_ms")?,
         lateness_max_ms: column(&recent, "max_ms")?,
+        retention_pruned,
+        retention_last_ms,
     })
 }
 
@@ -258,6 +267,12 @@ impl Status {
             all.lateness_p50_ms = worst(all.lateness_p50_ms, s.lateness_p50_ms);
             all.lateness_p99_ms = worst(all.lateness_p99_ms, s.lateness_p99_ms);
             all.lateness_max_ms = worst(all.lateness_max_ms, s.lateness_max_ms);
+            all.retention_pruned += s.retention_pruned;
+            // The most recent batch of any shard: the smallest age.
+            all.retention_last_ms = match (all.retention_last_ms, s.retention_last_ms) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
         }
         Status {
             queues,
@@ -279,6 +294,8 @@ impl Status {
             lateness_p50_ms: all.lateness_p50_ms,
             lateness_p99_ms: all.lateness_p99_ms,
             lateness_max_ms: all.lateness_max_ms,
+            retention_pruned: all.retention_pruned,
+            retention_last_ms: all.retention_last_ms,
             shards: if sharded { shards } else { Vec::new() },
         }
     }

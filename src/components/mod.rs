@@ -7,4 +7,5 @@ pub mod reconciler;
 pub mod redelivery;
 pub mod relay;
 pub mod releaser;
+pub mod retention;
 pub mod sweeper;

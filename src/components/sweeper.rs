@@ -28,7 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::close::{self, Candidate, CloseReason};
 use crate::components::reconciler;
-use crate::config::SweeperConfig;
+use crate::components::retention;
+use crate::config::{RetentionConfig, SweeperConfig};
 use crate::db::{DbError, Lease, column};
 use crate::deadline;
 use crate::observe::metric_catalog as m;
@@ -48,6 +49,8 @@ pub struct Sweeper {
     pub pool: Pool,
     pub stats: Stats,
     pub config: SweeperConfig,
+    /// What the leader prunes after each sweep, and after how long.
+    pub retention: RetentionConfig,
     pub limiter: RateLimiter,
     /// Bound on waiting for a lock other than a row lock in the close statement.
     pub lock_timeout: Duration,
@@ -75,6 +78,8 @@ pub struct SweepReport {
     /// Overdue orders skipped because their deadline cannot be decoded or lies outside
     /// the range lapse handles (written before the deadline rules existed).
     pub unreadable: usize,
+    /// Rows retention pruned, per table (`retention::TABLES` order).
+    pub pruned: [i64; 3],
 }
 
 /// An overdue row as a close candidate, or why it is skipped.
@@ -183,6 +188,20 @@ impl Sweeper {
             .await?;
             report.releases_repaired = r.repaired;
             report.releases_unreadable = r.unreadable;
+            report.lost_lead = r.lost_lead;
+        }
+        if !token.is_cancelled() && !report.lost_lead {
+            let r = retention::run_pass(
+                &mut client,
+                self.pool.limits(),
+                lease,
+                &self.retention,
+                self.config.pause,
+                busy,
+                token,
+            )
+            .await?;
+            report.pruned = r.pruned;
             report.lost_lead = r.lost_lead;
         }
         if report.lost_lead {

@@ -39,6 +39,7 @@ pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
 pub use load::{BENCH_WORKER_LOG_VAR, CONFIG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
+pub use retention::{Keep, RetentionConfig};
 pub use shards::{ListenUrls, MAX_SHARDS, Shard, listen_url};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -51,6 +52,8 @@ pub struct Config {
     pub relay: RelayConfig,
     pub sweeper: SweeperConfig,
     pub orders: OrdersConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -318,6 +321,7 @@ impl Default for Config {
                 initial_stock: 1000,
                 deadline_horizon: Duration::from_secs(366 * 86_400),
             },
+            retention: RetentionConfig::default(),
         }
     }
 }
@@ -346,6 +350,7 @@ impl Config {
         positive("worker.max_attempts", u64::from(self.worker.max_attempts))?;
         positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
+        retention::validate(&self.retention)?;
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(
                 "topology.quorum_group_size",
@@ -473,6 +478,7 @@ mod addresses;
 mod load;
 mod moved;
 pub mod pg_tls;
+mod retention;
 mod shards;
 mod timing;
 

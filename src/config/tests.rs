@@ -491,3 +491,41 @@ fn worker_metrics_listen_is_host_and_port() {
         Ok(())
     });
 }
+
+#[test]
+fn retention_takes_durations_or_forever_and_names_the_key() {
+    Jail::expect_with(|jail| {
+        jail.create_file(
+            "lapse.toml",
+            "[retention]\ntimeline = \"7d\"\nledger = \"forever\"\nlate_payments = \"2years\"\nbatch_size = 50",
+        )?;
+        let retention = load().unwrap().retention;
+        assert_eq!(
+            retention.timeline,
+            Keep::For(Duration::from_secs(7 * 86_400))
+        );
+        assert_eq!(retention.ledger, Keep::Forever);
+        assert_eq!(retention.batch_size, 50);
+        assert_eq!(retention.timeline.millis(), Some(7 * 86_400 * 1000));
+        assert_eq!(retention.ledger.millis(), None);
+        for (body, key) in [
+            ("timeline = \"soon\"", "retention.timeline"),
+            ("ledger = \"10m\"", "retention.ledger"),
+            ("late_payments = \"1000years\"", "retention.late_payments"),
+            ("batch_size = 0", "retention.batch_size"),
+            ("batch_size = -5", "retention.batch_size"),
+        ] {
+            jail.create_file("lapse.toml", &format!("[retention]\n{body}"))?;
+            let err = load().unwrap_err();
+            assert_eq!(err.key, key, "{body}: {err:?}");
+        }
+        // Absent: the defaults.
+        jail.create_file("lapse.toml", "")?;
+        let retention = load().unwrap().retention;
+        assert_eq!(
+            retention.timeline,
+            Keep::For(Duration::from_secs(30 * 86_400))
+        );
+        Ok(())
+    });
+}

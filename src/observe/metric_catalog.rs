@@ -37,6 +37,7 @@ pub const COMPONENT_UP: &str = "lapse_component_up";
 pub const QUEUE_MESSAGES: &str = "lapse_queue_messages";
 pub const QUEUE_CONSUMERS: &str = "lapse_queue_consumers";
 pub const BUILD_INFO: &str = "lapse_build_info";
+pub const RETENTION_PRUNED: &str = "lapse_retention_pruned_total";
 
 /// Histogram buckets of [`CLOSE_LATENESS`] and [`LIMITER_WAIT`]: 1 ms to 60 s.
 pub const LATENESS_BUCKETS: [f64; 16] = [
@@ -58,6 +59,9 @@ pub fn describe() {
     }
     for path in ["timeout", "sweeper"] {
         metrics::counter!(CLOSES, "path" => path).increment(0);
+    }
+    for table in crate::components::retention::TABLES {
+        metrics::counter!(RETENTION_PRUNED, "table" => table.name).increment(0);
     }
 }
 
@@ -182,6 +186,11 @@ fn describe_all() {
         UNREADABLE_DEADLINES,
         Unit::Count,
         "Overdue orders with a deadline lapse cannot handle, at the last sweep."
+    );
+    describe_counter!(
+        RETENTION_PRUNED,
+        Unit::Count,
+        "Rows the sweeper's leader deleted under retention.*, by table (timeline, ledger, late_payments)."
     );
     describe_counter!(
         RECONNECTS,

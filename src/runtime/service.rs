@@ -243,6 +243,7 @@ impl Starter<'_> {
             pool: db::pool(&database, database.pool_size)?,
             stats: stats.clone(),
             config: config.sweeper.clone(),
+            retention: config.retention.clone(),
             limiter: limiter.clone(),
             lock_timeout: database.lock_timeout,
         };

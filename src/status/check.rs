@@ -197,6 +197,8 @@ mod tests {
             oldest_missing_release_ms: None,
             release_grace_ms: 60_000,
             releases_exhausted: 0,
+            retention_pruned: 0,
+            retention_last_ms: None,
             lateness_p50_ms: None,
             lateness_p99_ms: None,
             lateness_max_ms: None,

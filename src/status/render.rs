@@ -83,6 +83,14 @@ impl Status {
             ms(self.oldest_missing_release_ms),
             self.releases_exhausted,
         ));
+        let last = match self.retention_last_ms {
+            Some(_) => format!("last batch {} ago", ms(self.retention_last_ms)),
+            None => "nothing old enough yet".to_string(),
+        };
+        out.push_str(&format!(
+            "RETENTION\n  pruned             {} rows of finished orders ({last})\n",
+            self.retention_pruned,
+        ));
     }
 
     /// One line per shard; nothing without shards.

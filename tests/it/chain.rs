@@ -347,6 +347,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
     config.stuck_outbox_after = Duration::from_millis(700);
     config.batch_size = 7; // several keyset pages
     let sweeper = lapse::components::sweeper::Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config,

@@ -113,6 +113,7 @@ async fn the_sweeper_skips_rows_it_cannot_handle_and_keeps_sweeping() {
     config.grace = Duration::from_millis(50);
     config.batch_size = 1; // the unreadable rows come first: pagination must pass them
     let sweeper = lapse::components::sweeper::Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config,

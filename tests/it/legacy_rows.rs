@@ -35,6 +35,7 @@ fn sweeper(env: &TestEnv, batch_size: i64) -> Sweeper {
     config.release_grace = Duration::from_millis(500);
     config.batch_size = batch_size;
     Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config,

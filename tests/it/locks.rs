@@ -151,6 +151,7 @@ async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
     config.sweeper.grace = Duration::from_millis(50);
     config.sweeper.batch_size = 7; // the locked row falls inside a keyset page
     let sweeper = lapse::components::sweeper::Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&config.database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config: config.sweeper.clone(),

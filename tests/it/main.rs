@@ -41,6 +41,7 @@ mod reconciler_pacing;
 mod redelivery;
 mod release_repair;
 mod release_window;
+mod retention;
 mod secrets;
 mod shards;
 mod silent_broker;

@@ -15,6 +15,7 @@ use crate::release_repair::closed_with_releases_queued;
 
 fn sweeper(env: &TestEnv, per_second: u32) -> Sweeper {
     Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config: env.config().sweeper,

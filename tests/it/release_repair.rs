@@ -138,6 +138,7 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
     let mut sweeper_config = config.sweeper.clone();
     sweeper_config.release_grace = Duration::from_millis(500);
     let sweeper = Sweeper {
+        retention: Default::default(),
         pool: lapse::db::pool(&env.config().database, 2).unwrap(),
         stats: lapse::observe::stats::Stats::default(),
         config: sweeper_config,

@@ -100,13 +100,16 @@ impl Releaser {
                 held.push(id);
                 continue;
             }
-            locked.push(id);
-            // A stamped order was released before (a repeated event): its ledger rows
-            // make the release below a no-op, and its stamp stays as it is.
+            // A stamped order was released before (a repeated event): nothing to do.
+            // Its ledger rows are not consulted, so retention may have pruned them.
             let unstamped: bool = column(row, "unstamped")?;
-            if unstamped && column::<bool>(row, "readable")? {
+            if !unstamped {
+                continue;
+            }
+            locked.push(id);
+            if column::<bool>(row, "readable")? {
                 stampable.push(id);
-            } else if unstamped {
+            } else {
                 let raw: String = column(row, "raw").unwrap_or_else(|_| "?".into());
                 tracing::error!(order_id = id, deadline = %raw,
                     "releaser: released the stock of a closed order whose deadline lapse cannot handle, but cannot stamp its row; repair it (docs/operations.md)");

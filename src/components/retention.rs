@@ -1,0 +1,193 @@
+//! Retention: the sweeper's leader deletes what lapse recorded about finished orders
+//! once it is older than `retention.*` — timeline events, stock ledger rows, settled
+//! late payments — in batches of `retention.batch_size`, oldest first.
+//!
+//! Never pruned, whatever its age: anything of an order that is still UNPAID (an open
+//! deadline), or CLOSED without its stock release applied (`released_at` unset: an
+//! effect not applied yet, which the releaser and the reconciler still work from), and
+//! a late payment whose refund is PENDING. Finished is final (PAID and CLOSED never
+//! change, nor does a `released_at` once set), so a row judged prunable stays so.
+//!
+//! What pruning takes away is not consulted by anything that decides: the releaser
+//! skips an order already stamped `released_at` without reading its ledger rows, and a
+//! pruned late payment leaves `orders.late_payment_pruned` set, which keeps "one refund
+//! per order" (`lapse_pay_order` records no second one).
+//!
+//! Paced like the reconciler: each batch is one transaction that first renews the
+//! lease (a leader that lost it stops), at most [`BATCHES_PER_PASS`] per table and pass,
+//! with `sweeper.pause` between batches as idleness, not a stall; shutdown ends it
+//! between batches. Each batch adds to `lapse_retention` (what `lapse status` shows) and
+//! to `lapse_retention_pruned_total{table}`.
+
+use std::time::Duration;
+
+use tokio_postgres::types::Type;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Keep, RetentionConfig};
+use crate::db::{DbError, Lease, Limits, column};
+use crate::observe::metric_catalog as m;
+use crate::runtime::health::Busy;
+
+/// Batches one pass deletes at most per table; the next pass goes on.
+pub const BATCHES_PER_PASS: usize = 50;
+
+/// One table lapse prunes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// As in `lapse_retention.table_name` and the metric's `table` label.
+    pub name: &'static str,
+    /// Deletes one batch: `$1` the age in milliseconds, `$2` the batch size; returns
+    /// the deleted rows' count as `pruned`.
+    sql: &'static str,
+}
+
+/// The three tables, in the order they are pruned.
+pub const TABLES: [Table; 3] = [
+    Table {
+        name: "timeline",
+        sql: "WITH gone AS (
+                  DELETE FROM order_events
+                   WHERE ctid = ANY (ARRAY(
+                         SELECT e.ctid FROM order_events e
+                          WHERE e.at < now() - $1::bigint * interval '1 millisecond'
+                            AND NOT EXISTS (
+                                SELECT 1 FROM orders o
+                                 WHERE o.id = e.order_id
+                                   AND (o.status = 'UNPAID'
+                                        OR (o.status = 'CLOSED' AND o.released_at IS NULL)))
+                          ORDER BY e.at
+                          LIMIT $2))
+                  RETURNING 1)
+              SELECT count(*) AS pruned FROM gone",
+    },
+    Table {
+        name: "ledger",
+        sql: "WITH gone AS (
+                  DELETE FROM stock_ledger
+                   WHERE ctid = ANY (ARRAY(
+                         SELECT l.ctid FROM stock_ledger l
+                           JOIN orders o ON o.id = l.order_id
+                          WHERE l.at < now() - $1::bigint * interval '1 millisecond'
+                            AND (o.status = 'PAID'
+                                 OR (o.status = 'CLOSED' AND o.released_at IS NOT NULL))
+                          ORDER BY l.at
+                          LIMIT $2))
+                  RETURNING 1)
+              SELECT count(*) AS pruned FROM gone",
+    },
+    Table {
+        name: "late_payments",
+        sql: "WITH gone AS (
+                  DELETE FROM late_payments
+                   WHERE id = ANY (ARRAY(
+                         SELECT id FROM late_payments
+                          WHERE refund <> 'PENDING'
+                            AND received_at < now() - $1::bigint * interval '1 millisecond'
+                          ORDER BY received_at
+                          LIMIT $2))
+                  RETURNING order_id),
+              remembered AS (
+                  UPDATE orders SET late_payment_pruned = true
+                   WHERE id IN (SELECT order_id FROM gone) AND NOT late_payment_pruned
+                  RETURNING 1)
+              SELECT count(*) AS pruned, (SELECT count(*) FROM remembered) AS remembered FROM gone",
+    },
+];
+
+/// Rows one pass deleted, per table (in [`TABLES`] order).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RetentionReport {
+    pub pruned: [i64; 3],
+    /// The lease was lost part-way: the pass stopped there.
+    pub lost_lead: bool,
+}
+
+fn keep(config: &RetentionConfig, table: &Table) -> Keep {
+    match table.name {
+        "timeline" => config.timeline,
+        "ledger" => config.ledger,
+        _ => config.late_payments,
+    }
+}
+
+/// One pass over every table, as the leader holding `lease`.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_pass(
+    client: &mut deadpool_postgres::Client,
+    limits: Limits,
+    lease: &mut Lease,
+    config: &RetentionConfig,
+    pause: Duration,
+    busy: Option<&Busy>,
+    token: &CancellationToken,
+) -> Result<RetentionReport, DbError> {
+    let mut report = RetentionReport::default();
+    for (index, table) in TABLES.iter().enumerate() {
+        let Some(age_ms) = keep(config, table).millis() else {
+            continue;
+        };
+        for _ in 0..BATCHES_PER_PASS {
+            if token.is_cancelled() {
+                return Ok(report);
+            }
+            let tx = crate::db::begin_short(client, limits, None).await?;
+            if !lease.fence(&tx, None).await? {
+                report.lost_lead = true;
+                return Ok(report);
+            }
+            let row = tx
+                .query_typed_one(
+                    table.sql,
+                    &[(&age_ms, Type::INT8), (&config.batch_size, Type::INT8)],
+                )
+                .await?;
+            let pruned: i64 = column(&row, "pruned")?;
+            if pruned > 0 {
+                tx.execute_typed(
+                    "INSERT INTO lapse_retention AS r (table_name, pruned, last_pruned_at)
+                     VALUES ($1, $2, clock_timestamp())
+                     ON CONFLICT (table_name) DO UPDATE
+                        SET pruned = r.pruned + EXCLUDED.pruned,
+                            last_pruned_at = EXCLUDED.last_pruned_at",
+                    &[(&table.name, Type::TEXT), (&pruned, Type::INT8)],
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            report.pruned[index] += pruned;
+            metrics::counter!(m::RETENTION_PRUNED, "table" => table.name)
+                .increment(u64::try_from(pruned).unwrap_or(0));
+            if pruned < config.batch_size {
+                break;
+            }
+            let rest = async {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = token.cancelled() => {}
+                }
+            };
+            match busy {
+                Some(busy) => busy.idle_while(rest).await,
+                None => rest.await,
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// What `lapse_retention` holds: rows pruned ever, over every table, and how long ago
+/// the last batch ran (`None` before the first).
+pub async fn pruned<C: tokio_postgres::GenericClient>(
+    db: &C,
+) -> Result<(i64, Option<f64>), DbError> {
+    let row = db
+        .query_typed_one(
+            "SELECT coalesce(sum(pruned), 0)::bigint AS pruned,
+                    extract(epoch FROM now() - max(last_pruned_at))::float8 * 1000 AS last_ms
+               FROM lapse_retention",
+            &[],
+        )
+        .await?;
+    Ok((column(&row, "pruned")?, column(&row, "last_ms")?))
+}
