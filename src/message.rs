@@ -16,6 +16,9 @@ use crate::tier::{NextHop, Tier, TierSet};
 pub const MESSAGE_VERSION: u32 = 1;
 /// Header set on messages the worker parks.
 pub const PARK_REASON_HEADER: &str = "x-lapse-park-reason";
+/// One word for why (`undecodable`, `unknown_shard`, `database_unavailable`, ...): what
+/// `lapse parked counts` groups by, the same word as `lapse_parked_total{reason}`.
+pub const PARK_CAUSE_HEADER: &str = "x-lapse-park-cause";
 /// Header set on messages lapse parks: when (RFC 3339, UTC), for `lapse parked list`.
 pub const PARKED_AT_HEADER: &str = "x-lapse-parked-at";
 
@@ -179,8 +182,12 @@ impl Route {
 }
 
 /// Properties of a parked copy: the original's, plus the reason and parked-at headers.
-pub fn parked_properties(original: &BasicProperties, reason: &str) -> BasicProperties {
+pub fn parked_properties(original: &BasicProperties, cause: &str, reason: &str) -> BasicProperties {
     let mut headers = original.headers().clone().unwrap_or_default();
+    headers.insert(
+        ShortString::from(PARK_CAUSE_HEADER),
+        AMQPValue::LongString(LongString::from(cause)),
+    );
     headers.insert(
         ShortString::from(PARK_REASON_HEADER),
         AMQPValue::LongString(LongString::from(reason)),

@@ -62,6 +62,9 @@ pub struct Status {
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
+    /// Parked messages already moved into the parked book (`lapse parked counts`);
+    /// those still in the parked queue are its depth.
+    pub parked_entries: i64,
     /// Rows retention pruned ever (timeline, ledger, settled late payments).
     pub retention_pruned: i64,
     /// How long ago the last retention batch ran; `None` before the first.
@@ -93,6 +96,7 @@ pub struct ShardStatus {
     pub lateness_p50_ms: Option<f64>,
     pub lateness_p99_ms: Option<f64>,
     pub lateness_max_ms: Option<f64>,
+    pub parked_entries: i64,
     pub retention_pruned: i64,
     pub retention_last_ms: Option<f64>,
 }
@@ -119,7 +123,7 @@ pub async fn collect_with_grace<C: GenericClient>(
     release_grace: Duration,
 ) -> Result<Status, StatusError> {
     let queues = queue_depths(conn, topology, broker::DEFAULT_CONFIRM_TIMEOUT).await?;
-    let orders = order_figures(db, 0, release_grace).await?;
+    let orders = order_figures(db, &topology.prefix, 0, release_grace).await?;
     Ok(Status::new(queues, vec![orders], release_grace, false))
 }
 
@@ -150,6 +154,7 @@ pub async fn queue_depths(
 // Over 60 lines on purpose: one query per figure `lapse status` shows, then one struct literal.
 pub async fn order_figures<C: GenericClient>(
     db: &C,
+    prefix: &str,
     shard: u16,
     release_grace: Duration,
 ) -> Result<ShardStatus, StatusError> {
@@ -209,6 +214,7 @@ pub async fn order_figures<C: GenericClient>(
         .await
         .map_err(DbError::from)?;
     let (retention_pruned, retention_last_ms) = crate::components::retention::pruned(db).await?;
+    let parked_entries = crate::parked::book::total(db, prefix).await?;
     Ok(ShardStatus {
         shard,
         overdue_unpaid: column(&overdue, "overdue")?,
@@ -227,6 +233,7 @@ pub async fn order_figures<C: GenericClient>(
         lateness_p50_ms: column(&recent, "p50_ms")?,
         lateness_p99_ms: column(&recent, "p99_ms")?,
         lateness_max_ms: column(&recent, "max_ms")?,
+        parked_entries,
         retention_pruned,
         retention_last_ms,
     })
@@ -268,6 +275,7 @@ impl Status {
             all.lateness_p99_ms = worst(all.lateness_p99_ms, s.lateness_p99_ms);
             all.lateness_max_ms = worst(all.lateness_max_ms, s.lateness_max_ms);
             all.retention_pruned += s.retention_pruned;
+            all.parked_entries += s.parked_entries;
             // The most recent batch of any shard: the smallest age.
             all.retention_last_ms = match (all.retention_last_ms, s.retention_last_ms) {
                 (Some(a), Some(b)) => Some(a.min(b)),
@@ -294,6 +302,7 @@ impl Status {
             lateness_p50_ms: all.lateness_p50_ms,
             lateness_p99_ms: all.lateness_p99_ms,
             lateness_max_ms: all.lateness_max_ms,
+            parked_entries: all.parked_entries,
             retention_pruned: all.retention_pruned,
             retention_last_ms: all.retention_last_ms,
             shards: if sharded { shards } else { Vec::new() },
@@ -322,6 +331,15 @@ impl Status {
     /// The queue of `role` (`due`, `parked`, `stock release`).
     pub fn queue(&self, role: &str) -> Option<&QueueDepth> {
         self.queues.iter().find(|q| q.role == role)
+    }
+
+    /// Parked messages: those in the parked book and those still in the parked queue.
+    pub fn parked(&self) -> i64 {
+        let queued = self
+            .queue("parked")
+            .and_then(|q| q.messages)
+            .map_or(0, i64::from);
+        self.parked_entries + queued
     }
 
     /// Timeouts not yet decided: ready messages in the wait tiers and the due queue.

@@ -31,12 +31,17 @@ use crate::tier::Tier;
 
 /// The copy of `delivery` that parks it on `parked_exchange` with `reason` (every
 /// component parks this way).
-pub fn parked_copy(parked_exchange: String, delivery: &Delivery, reason: &str) -> Outgoing {
+pub fn parked_copy(
+    parked_exchange: String,
+    delivery: &Delivery,
+    cause: &str,
+    reason: &str,
+) -> Outgoing {
     Outgoing::new(
         parked_exchange,
         String::new(),
         delivery.data.clone(),
-        parked_properties(&delivery.properties, reason),
+        parked_properties(&delivery.properties, cause, reason),
     )
 }
 

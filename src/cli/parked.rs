@@ -1,4 +1,5 @@
-//! `lapse parked list | show | replay | purge`.
+//! `lapse parked list | counts | show | replay | purge`, over the parked book (the
+//! table `lapse_parked`); each command first moves what arrived in `<P>.parked` into it.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, IsTerminal, Write};
@@ -8,32 +9,61 @@ use serde_json::json;
 
 use super::{ExitStatus, print_json};
 use crate::config::Config;
-use crate::parked::{Entry, Item, Outcome, ParkedError, Pass, Plan, Router, headers_json, rfc3339};
+use crate::db::Pool;
+use crate::parked::{Item, Outcome, ParkedError, Router, Row, Selection, book, rfc3339};
 
 /// Exit statuses shared by every `lapse parked` command.
 const EXIT_CODES: &[(u8, &str)] = &[
     super::help::OK,
-    (
-        1,
-        "a message was not found or not replayed, or another parked command is running",
-    ),
+    (1, "a message was not found or not replayed"),
     (
         2,
         "bad arguments or configuration (also: purge without --yes when stdin is not a \
          terminal)",
     ),
-    (3, "the broker could not be reached, or stopped answering"),
+    (
+        3,
+        "the broker or the database could not be reached, or stopped answering",
+    ),
 ];
 
 #[derive(Debug, Subcommand)]
 pub enum ParkedCommand {
-    /// List parked messages in queue order: ID, kind, order, deadline, version,
-    /// attempts, when parked and why. Listing never spends a delivery.
+    /// List parked messages in the order they were parked, a page at a time: ID, kind,
+    /// order, deadline, version, attempts, when parked, cause and reason. Reads the
+    /// parked book, never the queue again: listing spends no delivery.
     #[command(after_help = super::help::after(
-        &["lapse parked list", "lapse parked list --json"],
+        &[
+            "lapse parked list",
+            "lapse parked list --after 1200 --limit 50",
+            "lapse parked list --reason undecodable --json",
+        ],
         EXIT_CODES,
     ))]
     List {
+        /// Only rows after this sequence number (the SEQ column; the last page's
+        /// footer names the next one).
+        #[arg(long, value_name = "SEQ", default_value_t = 0)]
+        after: i64,
+        /// Rows per page (1 to 10,000).
+        #[arg(long, value_name = "N", default_value_t = 100,
+              value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
+        /// Only messages whose reason contains this text or whose cause is it
+        /// (case-insensitive).
+        #[arg(long, value_name = "TEXT")]
+        reason: Option<String>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// How many messages are parked, by cause, with the oldest and newest of each and
+    /// an example reason.
+    #[command(after_help = super::help::after(
+        &["lapse parked counts", "lapse parked counts --json"],
+        EXIT_CODES,
+    ))]
+    Counts {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -53,7 +83,8 @@ pub enum ParkedCommand {
     },
     /// Put parked messages back on their path: a timeout to its wait tier or the due
     /// queue (own deadline and version, fresh attempt budget), a release to the stock
-    /// releaser. Each leaves parked only after the broker confirmed it at its destination.
+    /// releaser. Each leaves the parked book only after the broker confirmed it at its
+    /// destination.
     #[command(after_help = super::help::after(
         &["lapse parked replay timeout-42-v1", "lapse parked replay --reason unavailable --dry-run", "lapse parked replay --all --json"],
         EXIT_CODES,
@@ -95,24 +126,23 @@ pub struct Select {
     /// Every parked message.
     #[arg(long)]
     all: bool,
-    /// Messages whose reason contains this text (case-insensitive).
+    /// Messages whose reason contains this text, or whose cause is it (case-insensitive).
     #[arg(long, value_name = "TEXT")]
     reason: Option<String>,
 }
 
 impl Select {
-    fn matches(&self, entry: &Entry) -> bool {
-        self.all
-            || self.ids.contains(&entry.id)
-            || self
-                .reason
-                .as_deref()
-                .is_some_and(|r| entry.reason_matches(r))
+    fn selection(&self) -> Selection {
+        Selection {
+            ids: self.ids.clone(),
+            all: self.all,
+            reason: self.reason.clone(),
+        }
     }
 
     /// IDs asked for by name that no message has.
     fn not_found(&self, items: &[Item]) -> Vec<String> {
-        let seen: BTreeSet<&str> = items.iter().map(|i| i.entry.id.as_str()).collect();
+        let seen: BTreeSet<&str> = items.iter().map(|i| i.row.entry.id.as_str()).collect();
         self.ids
             .iter()
             .filter(|id| !seen.contains(id.as_str()))
@@ -121,34 +151,73 @@ impl Select {
     }
 }
 
+/// What every command works with: the broker (to move new arrivals in, and to
+/// replay) and the first order database (the book).
+struct Parked<'a> {
+    config: &'a Config,
+    pool: Pool,
+}
+
+impl Parked<'_> {
+    /// Moves what arrived in `<P>.parked` into the book. For a command that only
+    /// reads, a broker that cannot be reached is a warning: the book is shown as it is.
+    async fn archive(&self, required: bool) -> Result<Option<lapin::Connection>, ParkedError> {
+        let endpoint = crate::amqp::endpoint(&self.config.broker)
+            .map_err(|e| ParkedError::Broker(unavailable(e.into())))?;
+        let moved = async {
+            let conn = endpoint.connect("lapse parked").await?;
+            match book::archive(
+                &conn,
+                &self.config.names(),
+                &self.pool,
+                endpoint.confirm_timeout,
+            )
+            .await
+            {
+                Ok(_) => Ok(conn),
+                Err(e) => {
+                    crate::amqp::broker::close_quietly(&conn, "lapse parked failed").await;
+                    Err(e)
+                }
+            }
+        };
+        match moved.await {
+            Ok(conn) => Ok(Some(conn)),
+            Err(e) if !required && !matches!(e, ParkedError::Db(_)) => {
+                eprintln!(
+                    "warning: new arrivals in {} not moved into the parked book ({}); \
+                     showing the book as it is",
+                    self.config.names().parked(),
+                    crate::redact::redact(&e.to_string())
+                );
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 pub async fn run(config: &Config, command: ParkedCommand) -> anyhow::Result<ExitStatus> {
-    let endpoint = crate::amqp::endpoint(&config.broker)?;
-    let router = match &command {
-        ParkedCommand::Replay { .. } => Some(Router::new(
-            config.names(),
-            config.tier_file()?.tiers,
-            endpoint.confirm_timeout,
-        )),
-        _ => None,
-    };
-    let mut pass = Pass {
-        endpoint,
-        names: config.names(),
-        router,
-        dry_run: false,
+    let home = config.database.for_shard(&config.database.shard_list()[0]);
+    let parked = Parked {
+        config,
+        pool: crate::db::pool(&home, 2)?,
     };
     let result = match command {
-        ParkedCommand::List { json } => list(&pass, json).await,
-        ParkedCommand::Show { id, json } => show(&pass, &id, json).await,
+        ParkedCommand::List {
+            after,
+            limit,
+            reason,
+            json,
+        } => list(&parked, after, limit, reason, json).await,
+        ParkedCommand::Counts { json } => counts(&parked, json).await,
+        ParkedCommand::Show { id, json } => show(&parked, &id, json).await,
         ParkedCommand::Replay {
             select,
             dry_run,
             json,
-        } => {
-            pass.dry_run = dry_run;
-            act(&pass, &select, Plan::Replay, json).await
-        }
-        ParkedCommand::Purge { select, yes, json } => purge(&mut pass, select, yes, json).await,
+        } => replay(&parked, &select, dry_run, json).await,
+        ParkedCommand::Purge { select, yes, json } => purge(&parked, &select, yes, json).await,
     };
     match result {
         Ok(status) => Ok(status),
@@ -156,6 +225,7 @@ pub async fn run(config: &Config, command: ParkedCommand) -> anyhow::Result<Exit
             eprintln!("error: {}", crate::redact::redact(&e.to_string()));
             Ok(ExitStatus::Unreachable)
         }
+        Err(ParkedError::Db(e)) => Err(e.into()),
         Err(e) => {
             eprintln!("error: {}", crate::redact::redact(&e.to_string()));
             Ok(ExitStatus::Failed)
@@ -163,28 +233,100 @@ pub async fn run(config: &Config, command: ParkedCommand) -> anyhow::Result<Exit
     }
 }
 
-async fn list(pass: &Pass, json: bool) -> Result<ExitStatus, ParkedError> {
-    let items = pass.run(|_| Plan::Keep).await?;
+async fn list(
+    parked: &Parked<'_>,
+    after: i64,
+    limit: i64,
+    reason: Option<String>,
+    json: bool,
+) -> Result<ExitStatus, ParkedError> {
+    if let Some(conn) = parked.archive(false).await? {
+        crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
+    }
+    let selection = reason.map(|reason| Selection {
+        reason: Some(reason),
+        ..Default::default()
+    });
+    let (rows, more) = book::page(
+        &parked.pool,
+        &parked.config.broker.prefix,
+        selection.as_ref(),
+        after,
+        limit,
+    )
+    .await?;
     if json {
-        let entries: Vec<&Entry> = items.iter().map(|i| &i.entry).collect();
-        print_json(&entries).map_err(|e| ParkedError::Broker(unavailable(e)))?;
+        print_json(&rows).map_err(|e| ParkedError::Broker(unavailable(e)))?;
     } else {
-        print!("{}", table(&items, false));
+        print!("{}", table(rows.iter().map(|r| (r, None)), rows.len()));
+        if let (true, Some(last)) = (more, rows.last()) {
+            println!(
+                "more: lapse parked list --after {}{}",
+                last.seq,
+                if limit == 100 {
+                    String::new()
+                } else {
+                    format!(" --limit {limit}")
+                }
+            );
+        }
     }
     Ok(ExitStatus::Ok)
 }
 
-async fn show(pass: &Pass, id: &str, json: bool) -> Result<ExitStatus, ParkedError> {
-    let items = pass.run(|_| Plan::Keep).await?;
-    let copies: Vec<serde_json::Value> = items
+async fn counts(parked: &Parked<'_>, json: bool) -> Result<ExitStatus, ParkedError> {
+    if let Some(conn) = parked.archive(false).await? {
+        crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
+    }
+    let counts = book::counts(&parked.pool, &parked.config.broker.prefix).await?;
+    if json {
+        print_json(&counts).map_err(|e| ParkedError::Broker(unavailable(e)))?;
+        return Ok(ExitStatus::Ok);
+    }
+    let dash = || "-".to_string();
+    println!(
+        "{:<24} {:>8} {:<24} {:<24} EXAMPLE",
+        "CAUSE", "COUNT", "OLDEST", "NEWEST"
+    );
+    for c in &counts {
+        println!(
+            "{:<24} {:>8} {:<24} {:<24} {}",
+            c.cause,
+            c.count,
+            c.oldest_parked_at.map_or_else(dash, rfc3339),
+            c.newest_parked_at.map_or_else(dash, rfc3339),
+            c.example
+        );
+    }
+    println!("{} message(s)", counts.iter().map(|c| c.count).sum::<i64>());
+    Ok(ExitStatus::Ok)
+}
+
+async fn show(parked: &Parked<'_>, id: &str, json: bool) -> Result<ExitStatus, ParkedError> {
+    if let Some(conn) = parked.archive(false).await? {
+        crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
+    }
+    let selection = Selection {
+        ids: vec![id.to_string()],
+        ..Default::default()
+    };
+    let (rows, _) = book::page(
+        &parked.pool,
+        &parked.config.broker.prefix,
+        Some(&selection),
+        0,
+        10_000,
+    )
+    .await?;
+    let copies: Vec<serde_json::Value> = rows
         .iter()
-        .filter(|i| i.entry.id == id)
-        .map(|i| {
+        .filter(|r| r.entry.id == id)
+        .map(|r| {
             json!({
-                "entry": i.entry,
-                "message_id": i.properties.message_id().as_ref().map(|m| m.to_string()),
-                "headers": headers_json(i.properties.headers().as_ref()),
-                "body": String::from_utf8_lossy(&i.body),
+                "entry": r,
+                "message_id": r.message_id,
+                "headers": r.headers,
+                "body": String::from_utf8_lossy(&r.body),
             })
         })
         .collect();
@@ -211,70 +353,74 @@ async fn show(pass: &Pass, id: &str, json: bool) -> Result<ExitStatus, ParkedErr
     Ok(ExitStatus::Ok)
 }
 
-/// Replays or purges the selected messages and reports each.
-async fn act(
-    pass: &Pass,
+async fn replay(
+    parked: &Parked<'_>,
     select: &Select,
-    plan: Plan,
+    dry_run: bool,
     json: bool,
 ) -> Result<ExitStatus, ParkedError> {
-    let items = pass
-        .run(|e| if select.matches(e) { plan } else { Plan::Keep })
-        .await?;
-    let not_found = select.not_found(&items);
-    let acted: Vec<&Item> = items.iter().filter(|i| select.matches(&i.entry)).collect();
-    let failed = acted
-        .iter()
-        .any(|i| matches!(i.outcome, Outcome::Failed { .. }));
-    if json {
-        print_json(&json!({ "messages": acted, "not_found": not_found }))
-            .map_err(|e| ParkedError::Broker(unavailable(e)))?;
-    } else {
-        let owned: Vec<Item> = acted.into_iter().cloned().collect();
-        print!("{}", table(&owned, true));
-        for id in &not_found {
-            println!("not found: {id} (`lapse parked list` shows the IDs)");
-        }
-    }
-    Ok(if failed || !not_found.is_empty() {
-        ExitStatus::Failed
-    } else {
-        ExitStatus::Ok
-    })
+    let config = parked.config;
+    let router = Router::new(
+        config.names(),
+        config
+            .tier_file()
+            .map_err(|e| ParkedError::Broker(unavailable(e.into())))?
+            .tiers,
+        crate::amqp::endpoint(&config.broker)
+            .map_err(|e| ParkedError::Broker(unavailable(e.into())))?
+            .confirm_timeout,
+    );
+    let conn = parked
+        .archive(true)
+        .await?
+        .expect("a required archive connects or fails");
+    let items = crate::parked::replay(
+        &conn,
+        &parked.pool,
+        &router,
+        &config.broker.prefix,
+        &select.selection(),
+        dry_run,
+    )
+    .await;
+    crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
+    report(select, items?, json)
 }
 
 async fn purge(
-    pass: &mut Pass,
-    select: Select,
+    parked: &Parked<'_>,
+    select: &Select,
     yes: bool,
     json: bool,
 ) -> Result<ExitStatus, ParkedError> {
-    if yes {
-        return act(pass, &select, Plan::Purge, json).await;
-    }
-    if !std::io::stdin().is_terminal() {
+    if !yes && !std::io::stdin().is_terminal() {
         eprintln!(
             "error: refusing to purge without confirmation: stdin is not a terminal; \
              pass --yes to purge the selected messages"
         );
         return Ok(ExitStatus::Usage);
     }
-    // Show what would go, ask, then purge exactly those (not what arrived meanwhile).
-    pass.dry_run = true;
-    let items = pass
-        .run(|e| {
-            if select.matches(e) {
-                Plan::Purge
-            } else {
-                Plan::Keep
-            }
-        })
+    if let Some(conn) = parked.archive(false).await? {
+        crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
+    }
+    if yes {
+        let items = crate::parked::purge(
+            &parked.pool,
+            &parked.config.broker.prefix,
+            &select.selection(),
+            false,
+        )
         .await?;
-    pass.dry_run = false;
-    let chosen: Vec<Item> = items
-        .into_iter()
-        .filter(|i| select.matches(&i.entry))
-        .collect();
+        return report(select, items, json);
+    }
+    // Show what would go, ask, then purge exactly those rows (not what arrived since).
+    let chosen = crate::parked::purge(
+        &parked.pool,
+        &parked.config.broker.prefix,
+        &select.selection(),
+        true,
+    )
+    .await?;
     if chosen.is_empty() {
         println!("nothing to purge");
         return Ok(if select.ids.is_empty() {
@@ -283,7 +429,10 @@ async fn purge(
             ExitStatus::Failed
         });
     }
-    print!("{}", table(&chosen, false));
+    print!(
+        "{}",
+        table(chosen.iter().map(|i| (&i.row, None)), chosen.len())
+    );
     print!(
         "Purge these {} parked messages for good? Type yes: ",
         chosen.len()
@@ -295,13 +444,43 @@ async fn purge(
         println!("nothing purged");
         return Ok(ExitStatus::Failed);
     }
-    let ids: Vec<String> = chosen.iter().map(|i| i.entry.id.clone()).collect();
-    let exact = Select {
-        ids,
-        all: false,
-        reason: None,
+    let exact = Selection {
+        ids: chosen.iter().map(|i| i.row.entry.id.clone()).collect(),
+        ..Default::default()
     };
-    act(pass, &exact, Plan::Purge, json).await
+    let seqs: BTreeSet<i64> = chosen.iter().map(|i| i.row.seq).collect();
+    let items =
+        crate::parked::purge_rows(&parked.pool, &parked.config.broker.prefix, &exact, &seqs)
+            .await?;
+    report(select, items, json)
+}
+
+/// Prints what a replay or purge did; exit 1 when one failed or an ID was not found.
+fn report(select: &Select, items: Vec<Item>, json: bool) -> Result<ExitStatus, ParkedError> {
+    let not_found = select.not_found(&items);
+    let failed = items
+        .iter()
+        .any(|i| matches!(i.outcome, Outcome::Failed { .. }));
+    if json {
+        print_json(&json!({ "messages": items, "not_found": not_found }))
+            .map_err(|e| ParkedError::Broker(unavailable(e)))?;
+    } else {
+        print!(
+            "{}",
+            table(
+                items.iter().map(|i| (&i.row, Some(&i.outcome))),
+                items.len()
+            )
+        );
+        for id in &not_found {
+            println!("not found: {id} (`lapse parked list` shows the IDs)");
+        }
+    }
+    Ok(if failed || !not_found.is_empty() {
+        ExitStatus::Failed
+    } else {
+        ExitStatus::Ok
+    })
 }
 
 /// A JSON value as plain text (strings unquoted, null as `-`).
@@ -319,27 +498,35 @@ fn unavailable(e: anyhow::Error) -> crate::amqp::broker::BrokerError {
     }
 }
 
-fn table(items: &[Item], outcome: bool) -> String {
+fn table<'a>(rows: impl Iterator<Item = (&'a Row, Option<&'a Outcome>)>, count: usize) -> String {
     let dash = || "-".to_string();
-    let mut out = format!(
-        "{:<26} {:<10} {:>8} {:<24} {:>3} {:>4} {:<24} REASON{}\n",
-        "ID",
-        "KIND",
-        "ORDER",
-        "DEADLINE",
-        "V",
-        "ATT",
-        "PARKED AT",
-        if outcome { " / OUTCOME" } else { "" }
-    );
-    for i in items {
-        let e = &i.entry;
+    let mut out = String::new();
+    let mut header = true;
+    for (r, outcome) in rows {
+        if header {
+            out.push_str(&format!(
+                "{:>6} {:<26} {:<10} {:>8} {:<24} {:>3} {:>4} {:<24} {:<22} REASON{}\n",
+                "SEQ",
+                "ID",
+                "KIND",
+                "ORDER",
+                "DEADLINE",
+                "V",
+                "ATT",
+                "PARKED AT",
+                "CAUSE",
+                if outcome.is_some() { " / OUTCOME" } else { "" }
+            ));
+            header = false;
+        }
+        let e = &r.entry;
         let kind = serde_json::to_value(e.kind)
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
             .unwrap_or_default();
         out.push_str(&format!(
-            "{:<26} {:<10} {:>8} {:<24} {:>3} {:>4} {:<24} {}",
+            "{:>6} {:<26} {:<10} {:>8} {:<24} {:>3} {:>4} {:<24} {:<22} {}",
+            r.seq,
             e.id,
             kind,
             e.order_id.map_or_else(dash, |o| o.to_string()),
@@ -347,10 +534,11 @@ fn table(items: &[Item], outcome: bool) -> String {
             e.deadline_version.map_or_else(dash, |v| v.to_string()),
             e.attempts,
             e.parked_at.map_or_else(dash, rfc3339),
+            e.cause,
             e.reason,
         ));
-        if outcome {
-            let o = match &i.outcome {
+        if let Some(o) = outcome {
+            let o = match o {
                 Outcome::Kept => "kept".to_string(),
                 Outcome::Replayed { to } => format!("replayed to {to}"),
                 Outcome::WouldReplay { to } => format!("would replay to {to}"),
@@ -361,6 +549,6 @@ fn table(items: &[Item], outcome: bool) -> String {
         }
         out.push('\n');
     }
-    out.push_str(&format!("{} message(s)\n", items.len()));
+    out.push_str(&format!("{count} message(s)\n"));
     out
 }

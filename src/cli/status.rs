@@ -172,7 +172,9 @@ impl Sources<'_> {
         for (index, client) in clients.iter_mut() {
             // Read in a transaction of its own, under the pool's limits.
             let figures = match crate::db::begin(client, limits).await {
-                Ok(tx) => crate::status::order_figures(&tx, *index, grace).await,
+                Ok(tx) => {
+                    crate::status::order_figures(&tx, &self.topology.prefix, *index, grace).await
+                }
                 Err(e) => Err(e.into()),
             };
             match figures {

@@ -118,7 +118,12 @@ pub async fn give_back(
             publishing.publish(copy).await?;
         }
         GiveBack::Park { reason } => {
-            let copy = parked_copy(parked_exchange.into(), delivery, reason);
+            let copy = parked_copy(
+                parked_exchange.into(),
+                delivery,
+                "returned_too_often",
+                reason,
+            );
             publishing.publish(copy).await?;
         }
     }

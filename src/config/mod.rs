@@ -192,6 +192,15 @@ pub struct WorkerConfig {
     /// served. `--metrics-listen` overrides it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
+    /// Move parked messages from `<P>.parked` into the parked book (`lapse_parked`)
+    /// every 5 s, and export `lapse_parked_entries`. Off, `lapse parked` commands still
+    /// move them when they run.
+    #[serde(default = "yes")]
+    pub parked_archive: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -301,6 +310,7 @@ impl Default for Config {
                 lock_retry: Duration::from_millis(500),
                 stall_limit: Duration::from_secs(60),
                 metrics_listen: None,
+                parked_archive: true,
             },
             relay: RelayConfig {
                 tier_tolerance: Duration::from_millis(50),

@@ -38,6 +38,7 @@ pub const QUEUE_MESSAGES: &str = "lapse_queue_messages";
 pub const QUEUE_CONSUMERS: &str = "lapse_queue_consumers";
 pub const BUILD_INFO: &str = "lapse_build_info";
 pub const RETENTION_PRUNED: &str = "lapse_retention_pruned_total";
+pub const PARKED_ENTRIES: &str = "lapse_parked_entries";
 
 /// Histogram buckets of [`CLOSE_LATENESS`] and [`LIMITER_WAIT`]: 1 ms to 60 s.
 pub const LATENESS_BUCKETS: [f64; 16] = [
@@ -186,6 +187,11 @@ fn describe_all() {
         UNREADABLE_DEADLINES,
         Unit::Count,
         "Overdue orders with a deadline lapse cannot handle, at the last sweep."
+    );
+    describe_gauge!(
+        PARKED_ENTRIES,
+        Unit::Count,
+        "Parked messages in the parked book (lapse_parked), by cause, sampled every 5 s by every worker's archiver; `lapse parked counts` lists them."
     );
     describe_counter!(
         RETENTION_PRUNED,

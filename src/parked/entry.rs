@@ -10,17 +10,17 @@
 use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
 use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use serde::Serialize;
+use lapin::types::{AMQPValue, FieldTable};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::components::redelivery::{DELIVERY_COUNT_HEADER, returns_so_far};
+use crate::components::redelivery::returns_so_far;
 use crate::message::{
-    PARK_REASON_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
+    PARK_CAUSE_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
 };
 use crate::names::Names;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     /// A timeout message: replayed to its wait tier or the due queue.
@@ -32,7 +32,7 @@ pub enum Kind {
 }
 
 /// Who gave the reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReasonSource {
     /// The `x-lapse-park-reason` header lapse sets when it parks.
@@ -60,6 +60,11 @@ pub struct Entry {
     /// A timeout's database retries; otherwise the returns counted by lapse and the broker.
     pub attempts: u32,
     pub reason: String,
+    /// One word for the reason, what `lapse parked counts` groups by: the cause lapse
+    /// named when it parked (`undecodable`, `database_unavailable`, ...), the broker's
+    /// as `broker_<reason>` (`broker_delivery_limit`), `unroutable`, or `lapse` /
+    /// `unknown` for messages parked without one.
+    pub cause: String,
     pub reason_source: ReasonSource,
     pub parked_at: Option<DateTime<Utc>>,
     /// The exchange and routing key it was last published with.
@@ -117,6 +122,19 @@ impl Entry {
         } else {
             ("unknown: no reason header".into(), ReasonSource::Unknown)
         };
+        let cause = match reason_source {
+            ReasonSource::Lapse => header_text(headers, PARK_CAUSE_HEADER)
+                .filter(|c| !c.trim().is_empty())
+                .unwrap_or_else(|| "lapse".into()),
+            ReasonSource::Broker => format!(
+                "broker_{}",
+                header_text(headers, "x-first-death-reason")
+                    .or_else(|| death_field(headers, "reason"))
+                    .unwrap_or_else(|| "unknown".into())
+            ),
+            ReasonSource::Unroutable => "unroutable".into(),
+            ReasonSource::Unknown => "unknown".into(),
+        };
         let parked_at = header_text(headers, PARKED_AT_HEADER)
             .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
             .map(|t| t.with_timezone(&Utc))
@@ -140,6 +158,7 @@ impl Entry {
                 .as_ref()
                 .map_or_else(|| returns_so_far(properties), |m| m.attempt),
             reason,
+            cause,
             reason_source,
             parked_at,
             exchange,
@@ -185,7 +204,7 @@ fn release_order(body: &[u8], message_id: Option<&str>) -> Option<(i64, u16)> {
 }
 
 /// 64-bit FNV-1a: stable across runs and versions (unlike the std hasher).
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(super) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
@@ -227,29 +246,6 @@ fn last_death_time(headers: Option<&FieldTable>) -> Option<DateTime<Utc>> {
 fn published_at(properties: &BasicProperties) -> Option<DateTime<Utc>> {
     let secs = i64::try_from((*properties.timestamp())?).ok()?;
     Utc.timestamp_opt(secs, 0).single()
-}
-
-/// Properties for the copy that stays parked: the original's, without the broker's
-/// delivery count (a fresh copy has none), and with the reason header when the
-/// reason was only recognised by lapse — from then on the message carries it.
-pub fn kept_properties(original: &BasicProperties, entry: &Entry) -> BasicProperties {
-    let mut headers = original.headers().clone().unwrap_or_default();
-    let mut inner = headers.inner().clone();
-    inner.remove(DELIVERY_COUNT_HEADER);
-    headers = FieldTable::from(inner);
-    if entry.reason_source == ReasonSource::Unroutable {
-        headers.insert(
-            ShortString::from(PARK_REASON_HEADER),
-            AMQPValue::LongString(LongString::from(entry.reason.as_str())),
-        );
-        if let Some(at) = entry.parked_at {
-            headers.insert(
-                ShortString::from(PARKED_AT_HEADER),
-                AMQPValue::LongString(LongString::from(rfc3339(at))),
-            );
-        }
-    }
-    original.clone().with_headers(headers)
 }
 
 pub fn rfc3339(at: DateTime<Utc>) -> String {

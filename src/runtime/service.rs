@@ -186,6 +186,15 @@ impl Starter<'_> {
                 self.sweeper(config, &shard, &stats, &limiter)?;
             }
         }
+        if w.parked_archive && (w.consumer || w.relay || w.releaser || w.sweeper) {
+            // The parked book lives in the first order database.
+            let home = database.for_shard(&database.shard_list()[0]);
+            let pool = db::pool(&home, 2)?;
+            let names = config.names();
+            self.add(crate::parked::archiver::COMPONENT, move |b, h, t| {
+                crate::parked::archiver::run(b, names.clone(), pool.clone(), h, t)
+            });
+        }
         if w.consumer || w.relay || w.releaser {
             let names = config.names();
             self.add(

@@ -104,15 +104,13 @@ pub fn problems(
             ));
         }
     }
-    if let Some(q) = status.queue("parked")
-        && let Some(n) = q.messages
-        && n > limits.parked
-    {
+    let parked = status.parked();
+    if parked > i64::from(limits.parked) {
         out.push(Problem::new(
             "parked",
             format!(
-                "{n} messages parked in {} (more than {}); each carries the reason it was parked",
-                q.queue, limits.parked
+                "{parked} messages parked (more than {}); `lapse parked counts` says why",
+                limits.parked
             ),
         ));
     }
@@ -197,6 +195,7 @@ mod tests {
             oldest_missing_release_ms: None,
             release_grace_ms: 60_000,
             releases_exhausted: 0,
+            parked_entries: 0,
             retention_pruned: 0,
             retention_last_ms: None,
             lateness_p50_ms: None,

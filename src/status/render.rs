@@ -53,6 +53,11 @@ impl Status {
             ms(self.oldest_outbox_ms),
             self.outbox_retrying,
         ));
+        let queued = self.parked() - self.parked_entries;
+        out.push_str(&format!(
+            "  parked             {} in the parked book, {} still in the queue (`lapse parked counts`)\n",
+            self.parked_entries, queued,
+        ));
         if self.unreadable_deadlines > 0 {
             out.push_str(&format!(
                 "  UNREADABLE         {} UNPAID orders with a deadline lapse cannot handle (docs/operations.md)\n",

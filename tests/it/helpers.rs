@@ -125,16 +125,21 @@ impl TestEnv {
     /// Also a fresh, migrated database and the applied topology.
     pub async fn with_database(tiers: &[&str]) -> Self {
         let mut env = Self::new(tiers).await;
-        env.database = Some(env.prefix.clone());
-        lapse::db::migrate(&Secret::new(env.database_url()))
-            .await
-            .expect("PostgreSQL must be running (scripts/services.sh starts it)");
+        env.add_database().await;
         let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
             .await
             .unwrap();
         assert!(report.ok(), "{report:?}");
-        env.write_config(&format!("[database]\nurl = {:?}\n", env.database_url()));
         env
+    }
+
+    /// A fresh, migrated database of this env's, named in its config file.
+    pub async fn add_database(&mut self) {
+        self.database = Some(self.prefix.clone());
+        lapse::db::migrate(&Secret::new(self.database_url()))
+            .await
+            .expect("PostgreSQL must be running (scripts/services.sh starts it)");
+        self.write_config(&format!("[database]\nurl = {:?}\n", self.database_url()));
     }
 
     pub fn database_url(&self) -> String {
@@ -154,6 +159,9 @@ impl TestEnv {
         c.topology.file = Some(self.tier_path());
         c.worker.sweeper = false;
         c.worker.migrate_on_start = false;
+        // Tests of the message path read `<P>.parked` itself; the parked book's
+        // tests (parked.rs) turn the archiver on.
+        c.worker.parked_archive = false;
         // Generous on a busy test machine: the slack used is the relay's actual lag.
         c.relay.tier_tolerance = Duration::from_millis(100);
         c.worker.retry_backoff = Duration::from_millis(250);

@@ -1,5 +1,6 @@
-//! `lapse parked list | show | purge` against the real broker: listing spends no
-//! delivery and shows a reason for every message, purge asks. Replay: parked_replay.rs.
+//! `lapse parked list | counts | show | purge` against the real broker and database:
+//! parked messages move into the parked book once, listing then never touches the
+//! queue, pages, and counts by cause; purge asks. Replay: parked_replay.rs.
 
 use std::time::Duration;
 
@@ -27,7 +28,11 @@ pub(crate) async fn publish(
 
 /// Parks `body` the way the worker does: with the reason header.
 pub(crate) async fn park(env: &TestEnv, body: &[u8], reason: &str) {
-    let props = parked_properties(&BasicProperties::default().with_delivery_mode(2), reason);
+    let props = parked_properties(
+        &BasicProperties::default().with_delivery_mode(2),
+        "test",
+        reason,
+    );
     publish(env, &env.names().parked(), "", body, props).await;
 }
 
@@ -49,13 +54,9 @@ pub(crate) fn list(env: &TestEnv) -> Vec<Value> {
         .clone()
 }
 
+/// Parked messages need the topology and a database (the parked book).
 pub(crate) async fn applied(tiers: &[&str]) -> TestEnv {
-    let env = TestEnv::new(tiers).await;
-    let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
-        .await
-        .unwrap();
-    assert!(report.ok(), "{report:?}");
-    env
+    TestEnv::with_database(tiers).await
 }
 
 /// Sets (or with `None` deletes) a `delivery-limit` policy on the parked queue.
@@ -98,7 +99,8 @@ async fn parked_delivery_limit(env: &TestEnv, limit: Option<i64>) {
 #[tokio::test]
 async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable_ones_carry_a_reason()
  {
-    let env = TestEnv::new(&["1s", "1m"]).await;
+    let mut env = TestEnv::new(&["1s", "1m"]).await;
+    env.add_database().await;
     env.write_tiers(&["1s", "1m"], "delivery_limit = 1");
     let report = lapse::amqp::topology::apply(&env.conn, &env.topology())
         .await
@@ -189,6 +191,7 @@ async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable
         assert_eq!(entries.len(), 3, "round {round}: {entries:?}");
         assert_eq!(entries[2]["id"], "timeout-43-v1");
         assert_eq!(entries[2]["reason_source"], "broker");
+        assert_eq!(entries[2]["cause"], "broker_delivery_limit");
         assert_eq!(
             entries[2]["reason"],
             format!("broker: delivery_limit in {due}").as_str()
@@ -199,20 +202,67 @@ async fn listing_more_often_than_the_delivery_limit_loses_nothing_and_unroutable
         assert_eq!(entries[0]["deadline_version"], 2);
         assert_eq!(entries[0]["attempts"], 5);
         assert_eq!(entries[0]["reason"], "database unavailable");
+        assert_eq!(entries[0]["cause"], "test");
         assert!(entries[0]["parked_at"].is_string());
         assert_eq!(entries[1]["id"], "timeout-42-v1");
+        assert_eq!(entries[1]["cause"], "unroutable");
         let reason = entries[1]["reason"].as_str().unwrap();
         assert!(
             reason.contains("unroutable") && reason.contains("5m"),
             "{reason}"
         );
         assert!(entries[1]["parked_at"].is_string(), "{entries:?}");
+        // Moved out of the queue by the first listing, never given back to it.
+        assert_eq!(queues::depth(&env.conn, &parked).await, Some(0));
     }
-    // The listings stamped the recognised reason onto the message itself.
+    // Pages: a cursor, and the text says where the next page starts.
+    let all = list(&env);
+    let first = json_out(&env.lapse(&["parked", "list", "--limit", "2", "--json"]));
+    assert_eq!(first.as_array().unwrap().len(), 2, "{first}");
+    let text = stdout(&env.lapse(&["parked", "list", "--limit", "2"]));
+    let next = format!(
+        "more: lapse parked list --after {} --limit 2",
+        all[1]["seq"]
+    );
+    assert!(text.contains(&next), "{text}");
+    let rest = json_out(&env.lapse(&[
+        "parked",
+        "list",
+        "--after",
+        &all[1]["seq"].to_string(),
+        "--json",
+    ]));
+    assert_eq!(rest.as_array().unwrap().len(), 1, "{rest}");
+    assert_eq!(rest[0]["id"], "timeout-43-v1");
+    let only = json_out(&env.lapse(&["parked", "list", "--reason", "unroutable", "--json"]));
+    assert_eq!(only.as_array().unwrap().len(), 1, "{only}");
+    // Counts by cause.
+    let counts = json_out(&env.lapse(&["parked", "counts", "--json"]));
+    let mut by_cause: Vec<(String, i64)> = counts
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["cause"].as_str().unwrap().to_string(),
+                c["count"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    by_cause.sort();
+    assert_eq!(
+        by_cause,
+        [
+            ("broker_delivery_limit".to_string(), 1),
+            ("test".to_string(), 1),
+            ("unroutable".to_string(), 1)
+        ]
+    );
     let shown = json_out(&env.lapse(&["parked", "show", "timeout-42-v1", "--json"]));
-    let reason = &shown[0]["headers"]["x-lapse-park-reason"];
     assert!(
-        reason.as_str().is_some_and(|r| r.contains("unroutable")),
+        shown[0]["entry"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("unroutable")),
         "{shown}"
     );
     let missing = env.lapse(&["parked", "show", "timeout-1-v1"]);
@@ -261,36 +311,6 @@ async fn purge_asks_for_yes_and_removes_only_the_selected() {
         Some(1),
         "an unreadable body is not replayed"
     );
-
-    // One pass at a time: while another holds the lock, a command refuses and waits for nothing.
-    let other = lapse::amqp::broker::connect(
-        &lapse::config::Secret::new(crate::helpers::amqp_url()),
-        "another operator",
-    )
-    .await
-    .unwrap();
-    let holder = other.create_channel().await.unwrap();
-    let exclusive = lapin::options::QueueDeclareOptions {
-        exclusive: true,
-        auto_delete: true,
-        ..Default::default()
-    };
-    let lock = format!("{}.lock", env.names().parked());
-    holder
-        .queue_declare(lock.as_str().into(), exclusive, Default::default())
-        .await
-        .unwrap();
-    let busy = env.lapse(&["parked", "list"]);
-    assert_eq!(busy.status.code(), Some(1));
-    assert!(stderr(&busy).contains("another"), "{}", stderr(&busy));
-    other.close(200, "done".into()).await.unwrap();
-    eventually(Duration::from_secs(10), "the lock is released", || async {
-        queues::depth(&env.conn, &lock)
-            .await
-            .is_none()
-            .then_some(())
-    })
-    .await;
 
     let refused = env.lapse(&["parked", "purge", "--all"]);
     assert_eq!(refused.status.code(), Some(2));
@@ -379,4 +399,125 @@ async fn a_parked_message_given_back_more_often_than_the_brokers_default_limit_s
     }
     assert_eq!(list(&env).len(), 1, "still parked after 25 returns");
     env.cleanup().await;
+}
+
+/// A running worker moves what is parked into the parked book within seconds, exports
+/// the book by cause, and `lapse status` counts the book; with the book's database
+/// away the messages wait in the queue, none lost.
+#[tokio::test]
+async fn a_worker_moves_parked_messages_into_the_book_and_counts_them_by_cause() {
+    let env = applied(&["1s"]).await;
+    let port = crate::endpoints::free_port();
+    let mut worker = crate::endpoints::spawn_worker(&env, port, None);
+    park(&env, b"\xff first", "body is not a JSON timeout message").await;
+    park(&env, b"\xff second", "body is not a JSON timeout message").await;
+    let db = env.db().await;
+    eventually(Duration::from_secs(30), "both in the book", || async {
+        (crate::helpers::count(&db, "SELECT count(*) FROM lapse_parked").await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(0)
+    );
+    eventually(Duration::from_secs(30), "the gauge by cause", || async {
+        let (_, body) = crate::endpoints::get(port, "/metrics").await?;
+        body.lines()
+            .any(|l| l == "lapse_parked_entries{cause=\"test\"} 2")
+            .then_some(())
+    })
+    .await;
+    let status = json_out(&env.lapse(&["status", "--json"]));
+    assert_eq!(status["parked_entries"], 2, "{status}");
+    let check = env.lapse(&["status", "--check", "--max-parked", "1"]);
+    assert_eq!(check.status.code(), Some(1));
+    assert!(
+        stdout(&check).contains("2 messages parked"),
+        "{}",
+        stdout(&check)
+    );
+
+    // The book's table away: what is parked waits in the queue, /health says why, and
+    // it moves in once the table is back.
+    db.batch_execute("ALTER TABLE lapse_parked RENAME TO lapse_parked_away")
+        .await
+        .unwrap();
+    park(&env, b"\xff third", "body is not a JSON timeout message").await;
+    eventually(
+        Duration::from_secs(30),
+        "the archiver reports it",
+        || async {
+            let (_, body) = crate::endpoints::get(port, "/health").await?;
+            let health: serde_json::Value = serde_json::from_str(&body).ok()?;
+            (health["components"]["parked"]["up"] == false).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(1),
+        "taken but not archived: back in the queue"
+    );
+    db.batch_execute("ALTER TABLE lapse_parked_away RENAME TO lapse_parked")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "all three in the book", || async {
+        (crate::helpers::count(&db, "SELECT count(*) FROM lapse_parked").await == 3).then_some(())
+    })
+    .await;
+
+    // Purged: the gauge reads 0, not its last value.
+    let purged = env.lapse(&["parked", "purge", "--all", "--yes"]);
+    assert!(purged.status.success(), "{}", stderr(&purged));
+    eventually(Duration::from_secs(30), "the gauge at 0", || async {
+        let (_, body) = crate::endpoints::get(port, "/metrics").await?;
+        body.lines()
+            .any(|l| l == "lapse_parked_entries{cause=\"test\"} 0")
+            .then_some(())
+    })
+    .await;
+    let _ = worker.kill().await;
+    let _ = worker.wait().await;
+    drop(db);
+    env.cleanup().await;
+}
+
+/// Two deployments (two prefixes) sharing one database: each lists, counts, replays
+/// and purges only what its own `<P>.parked` held.
+#[tokio::test]
+async fn deployments_sharing_a_database_see_only_their_own_parked_messages() {
+    let ours = applied(&["1s"]).await;
+    let theirs = TestEnv::new(&["1s"]).await;
+    assert!(
+        lapse::amqp::topology::apply(&theirs.conn, &theirs.topology())
+            .await
+            .unwrap()
+            .ok()
+    );
+    theirs.write_config(&format!("[database]\nurl = {:?}\n", ours.database_url()));
+    park(&ours, b"\xff ours", "body is not a JSON timeout message").await;
+    park(
+        &theirs,
+        b"\xff theirs",
+        "body is not a JSON timeout message",
+    )
+    .await;
+    let listed = list(&theirs);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(list(&ours).len(), 1);
+    let counts = json_out(&theirs.lapse(&["parked", "counts", "--json"]));
+    assert_eq!(counts[0]["count"], 1, "{counts}");
+    let purged = json_out(&theirs.lapse(&["parked", "purge", "--all", "--yes", "--json"]));
+    assert_eq!(purged["messages"].as_array().unwrap().len(), 1, "{purged}");
+    assert!(list(&theirs).is_empty());
+    let left = list(&ours);
+    assert_eq!(left.len(), 1, "theirs purged ours: {left:?}");
+    let shown =
+        json_out(&ours.lapse(&["parked", "show", left[0]["id"].as_str().unwrap(), "--json"]));
+    assert!(
+        shown[0]["body"].as_str().unwrap().contains("ours"),
+        "{shown}"
+    );
+    theirs.cleanup().await;
+    ours.cleanup().await;
 }

@@ -100,7 +100,8 @@ async fn check_is_silent_and_green_while_a_worker_runs() {
 #[tokio::test]
 async fn check_names_a_due_queue_without_consumer_first_and_parked_messages() {
     let env = TestEnv::with_database(&["1s"]).await;
-    let parked = lapse::message::parked_properties(&BasicProperties::default(), "test: poison");
+    let parked =
+        lapse::message::parked_properties(&BasicProperties::default(), "test", "test: poison");
     put(&env, &env.names().parked(), "", 2, parked).await;
     let mut db = env.db().await;
     create_orders(&mut db, &[Duration::from_millis(200)], &lines("late")).await;

@@ -459,10 +459,11 @@ impl ConsumerSession {
         &mut self,
         parked_exchange: String,
         delivery: &Delivery,
+        cause: &str,
         reason: &str,
     ) -> Result<(), BrokerError> {
         self.publishing
-            .publish(parked_copy(parked_exchange, delivery, reason))
+            .publish(parked_copy(parked_exchange, delivery, cause, reason))
             .await?;
         self.source.ack(delivery).await
     }

@@ -174,7 +174,8 @@ impl Consumer {
                 // Confirmed but routed nowhere: acknowledging would lose it.
                 Err(e @ BrokerError::Unroutable { .. }) => {
                     tracing::warn!(error = %e, "worker: publish unroutable; parking the delivery");
-                    let copy = parked_copy(self.names.parked(), &delivery, &e.to_string());
+                    let copy =
+                        parked_copy(self.names.parked(), &delivery, "unroutable", &e.to_string());
                     out.unroutable.push((copy, delivery));
                 }
                 Err(e) => {

@@ -122,7 +122,7 @@ pub fn plan(action: Action, delivery: &Delivery, names: &Names, tiers: &Tiers) -
             outcome,
             kind,
         } => Step::Publish(Box::new(Publish {
-            message: parked_copy(names.parked(), delivery, &reason),
+            message: parked_copy(names.parked(), delivery, kind, &reason),
             outcome,
             reroute_after: None,
             park: Some(kind),

@@ -107,7 +107,11 @@ impl Relay {
                 self.names.parked(),
                 String::new(),
                 body.to_vec(),
-                parked_properties(&BasicProperties::default().with_delivery_mode(2), reason),
+                parked_properties(
+                    &BasicProperties::default().with_delivery_mode(2),
+                    "unreadable_outbox_row",
+                    reason,
+                ),
             ),
             hop: None,
             attempts,

@@ -272,7 +272,9 @@ impl Releaser {
         kind: &'static str,
     ) -> Result<(), BrokerError> {
         tracing::warn!(%reason, "releaser: parking a message");
-        session.park(self.names.parked(), delivery, reason).await?;
+        session
+            .park(self.names.parked(), delivery, kind, reason)
+            .await?;
         let stats = self.stats.by("releaser");
         stats.record(Outcome::Parked, 1);
         stats.parked(kind);
