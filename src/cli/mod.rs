@@ -120,18 +120,19 @@ pub enum Command {
     /// Print a shell completion script for bash, zsh or fish on stdout.
     #[command(after_help = completions::after_help())]
     Completions(completions::CompletionsArgs),
-    /// List, show, replay or purge parked messages.
+    /// List, count, show, replay or purge parked messages (kept in the parked book).
     #[command(after_help = help::after(
         &[
             "lapse parked list",
+            "lapse parked counts",
             "lapse parked replay --all --dry-run",
             "lapse parked purge timeout-42-v1 --yes",
         ],
         &[
             help::OK,
-            (1, "a message was not found or not replayed, or another parked command is running"),
+            (1, "a message was not found or not replayed"),
             help::USAGE,
-            (3, "the broker could not be reached, or stopped answering"),
+            (3, "the broker or the database could not be reached, or stopped answering"),
         ],
     ))]
     Parked {
