@@ -6,9 +6,12 @@
 
 SET LOCAL lock_timeout = '5s';
 
-CREATE INDEX order_events_by_time ON order_events (at);
-CREATE INDEX stock_ledger_by_time ON stock_ledger (at);
-CREATE INDEX late_payments_settled_by_time ON late_payments (received_at)
+-- On a large installation build them first, without blocking writes, under the same
+-- names (`CREATE INDEX CONCURRENTLY order_events_by_time ON order_events (at)`, ...,
+-- docs/operations.md "Retention"); then these find them and take no time.
+CREATE INDEX IF NOT EXISTS order_events_by_time ON order_events (at);
+CREATE INDEX IF NOT EXISTS stock_ledger_by_time ON stock_ledger (at);
+CREATE INDEX IF NOT EXISTS late_payments_settled_by_time ON late_payments (received_at)
     WHERE refund <> 'PENDING';
 
 -- A pruned late payment still counts for "one refund per order": the order remembers it.

@@ -24,6 +24,9 @@ CREATE TABLE lapse_parked (
     reason_source    text        NOT NULL,
     parked_at        timestamptz,
     archived_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- A replay in progress holds its rows until then (a replay that died frees them
+    -- when it passes).
+    claimed_until    timestamptz,
     exchange         text        NOT NULL,
     routing_key      text        NOT NULL,
     message_id       text,

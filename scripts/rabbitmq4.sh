@@ -16,8 +16,8 @@ if [ -x "$ROOT/usr/lib/rabbitmq/bin/rabbitmq-server" ]; then
 fi
 if ! command -v debootstrap >/dev/null && [ ! -x /usr/sbin/debootstrap ]; then
   log "installing debootstrap from Debian's packages"
-  as_root apt-get update -q
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap
+  as_root apt-get update -q >&2
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >&2
 fi
 log "making a trixie root with rabbitmq-server in $ROOT (a few minutes, once)"
 as_root rm -rf "$ROOT.partial"

@@ -169,13 +169,19 @@ impl Cli {
         }
     }
 
+    /// The validated configuration as the file and the environment give it, no
+    /// certificate file read.
+    pub fn load_config_file(&self) -> Result<Config, crate::config::ConfigError> {
+        match &self.config {
+            Some(path) => Config::load(path, true),
+            None => Config::load(std::path::Path::new(DEFAULT_CONFIG_FILE), false),
+        }
+    }
+
     /// The validated configuration, its `broker.tls.*` files read and checked too
     /// (that check needs the TLS adapter, which the configuration layer sits below).
     pub fn load_config(&self) -> Result<Config, crate::config::ConfigError> {
-        let config = match &self.config {
-            Some(path) => Config::load(path, true),
-            None => Config::load(std::path::Path::new(DEFAULT_CONFIG_FILE), false),
-        }?;
+        let config = self.load_config_file()?;
         crate::amqp::tls_files(&config.broker.tls).map_err(|e| crate::config::ConfigError {
             key: "broker.tls".into(),
             problem: e.to_string(),
@@ -201,7 +207,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
     if let Command::Completions(args) = &cli.command {
         return completions::run(args);
     }
-    let config = cli.load_config()?;
+    // A health check reads only where to ask: a certificate file being rotated must
+    // not turn a live worker's HEALTHCHECK into a failure.
+    let config = match cli.command {
+        Command::Probe(_) => cli.load_config_file()?,
+        _ => cli.load_config()?,
+    };
     match cli.command {
         Command::Topology { action } => topology::run(&config, action).await,
         Command::Migrate(args) => migrate::run(&config, args).await,

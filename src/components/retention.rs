@@ -78,20 +78,9 @@ pub const TABLES: [Table; 3] = [
     },
     Table {
         name: "late_payments",
-        sql: "WITH gone AS (
-                  DELETE FROM late_payments
-                   WHERE id = ANY (ARRAY(
-                         SELECT id FROM late_payments
-                          WHERE refund <> 'PENDING'
-                            AND received_at < now() - $1::bigint * interval '1 millisecond'
-                          ORDER BY received_at
-                          LIMIT $2))
-                  RETURNING order_id),
-              remembered AS (
-                  UPDATE orders SET late_payment_pruned = true
-                   WHERE id IN (SELECT order_id FROM gone) AND NOT late_payment_pruned
-                  RETURNING 1)
-              SELECT count(*) AS pruned, (SELECT count(*) FROM remembered) AS remembered FROM gone",
+        // Two statements of its own ([`prune_late_payments`]): the orders are locked
+        // first, as `lapse_pay_order` locks them.
+        sql: "",
     },
 ];
 
@@ -136,13 +125,18 @@ pub async fn run_pass(
                 report.lost_lead = true;
                 return Ok(report);
             }
-            let row = tx
-                .query_typed_one(
-                    table.sql,
-                    &[(&age_ms, Type::INT8), (&config.batch_size, Type::INT8)],
-                )
-                .await?;
-            let pruned: i64 = column(&row, "pruned")?;
+            let pruned = match table.name {
+                "late_payments" => prune_late_payments(&tx, age_ms, config.batch_size).await?,
+                _ => {
+                    let row = tx
+                        .query_typed_one(
+                            table.sql,
+                            &[(&age_ms, Type::INT8), (&config.batch_size, Type::INT8)],
+                        )
+                        .await?;
+                    column(&row, "pruned")?
+                }
+            };
             if pruned > 0 {
                 tx.execute_typed(
                     "INSERT INTO lapse_retention AS r (table_name, pruned, last_pruned_at)
@@ -174,6 +168,69 @@ pub async fn run_pass(
         }
     }
     Ok(report)
+}
+
+/// One batch of settled late payments of finished orders: their orders are locked
+/// first (`SKIP LOCKED`: an order the shop holds waits for the next pass), in id order
+/// as `lapse_pay_order` locks an order before its late payment, so a payment racing the
+/// prune waits, then sees `late_payment_pruned` and records nothing; then the rows are
+/// deleted and the orders remember them. An order whose deadline lies outside the range
+/// lapse handles cannot be updated and is left alone.
+async fn prune_late_payments(
+    tx: &tokio_postgres::Transaction<'_>,
+    age_ms: i64,
+    batch: i64,
+) -> Result<i64, DbError> {
+    let sane = crate::deadline::in_range_sql("o.expire_at");
+    let victims = tx
+        .query_typed(
+            &format!(
+                "SELECT l.id, l.order_id FROM late_payments l JOIN orders o ON o.id = l.order_id
+                  WHERE l.refund <> 'PENDING'
+                    AND l.received_at < now() - $1::bigint * interval '1 millisecond'
+                    AND (o.status = 'PAID' OR (o.status = 'CLOSED' AND o.released_at IS NOT NULL))
+                    AND {sane}
+                  ORDER BY l.received_at
+                  LIMIT $2"
+            ),
+            &[(&age_ms, Type::INT8), (&batch, Type::INT8)],
+        )
+        .await?;
+    if victims.is_empty() {
+        return Ok(0);
+    }
+    let mut payments = Vec::with_capacity(victims.len());
+    let mut orders = Vec::with_capacity(victims.len());
+    for v in &victims {
+        payments.push(column::<i64>(v, "id")?);
+        orders.push(column::<i64>(v, "order_id")?);
+    }
+    let locked = tx
+        .query_typed(
+            "SELECT id FROM orders WHERE id = ANY($1) ORDER BY id FOR UPDATE SKIP LOCKED",
+            &[(&orders, Type::INT8_ARRAY)],
+        )
+        .await?;
+    let locked: Vec<i64> = locked
+        .iter()
+        .map(|r| column::<i64>(r, "id"))
+        .collect::<Result<_, _>>()?;
+    let row = tx
+        .query_typed_one(
+            "WITH gone AS (
+                 DELETE FROM late_payments
+                  WHERE id = ANY($1) AND order_id = ANY($2) AND refund <> 'PENDING'
+                 RETURNING order_id),
+             remembered AS (
+                 UPDATE orders SET late_payment_pruned = true
+                  WHERE id IN (SELECT order_id FROM gone) AND NOT late_payment_pruned
+                 RETURNING 1)
+             SELECT count(*) AS pruned, (SELECT count(*) FROM remembered) AS remembered
+               FROM gone",
+            &[(&payments, Type::INT8_ARRAY), (&locked, Type::INT8_ARRAY)],
+        )
+        .await?;
+    column(&row, "pruned")
 }
 
 /// What `lapse_retention` holds: rows pruned ever, over every table, and how long ago

@@ -9,16 +9,18 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{ParkedError, book};
-use crate::amqp::broker::{self, BrokerError, Endpoint};
+use super::{ParkedError, archive, book};
+use crate::amqp::broker::{self, Endpoint};
 use crate::db::Pool;
 use crate::names::Names;
 use crate::observe::metric_catalog as m;
-use crate::runtime::health::Health;
+use crate::runtime::health::{Busy, Health};
 use crate::runtime::supervisor::Fatal;
 
 pub const COMPONENT: &str = "parked";
 pub const ARCHIVE_EVERY: Duration = Duration::from_secs(5);
+/// Chunks (of [`archive::CHUNK`] messages) one round moves at most.
+pub const CHUNKS_PER_ROUND: usize = 50;
 
 /// A session's end: the broker's errors decide whether to reconnect; the database's
 /// never stop the component.
@@ -32,11 +34,10 @@ impl std::fmt::Display for Ended {
 }
 
 impl crate::runtime::backoff::SessionError for Ended {
+    /// Never: a worker whose broker user may not read `<P>.parked` still closes
+    /// deadlines; the archiver reports itself down and tries again.
     fn is_fatal(&self) -> bool {
-        match &self.0 {
-            ParkedError::Broker(e) => crate::runtime::backoff::SessionError::is_fatal(e),
-            _ => false,
-        }
+        false
     }
 }
 
@@ -72,7 +73,16 @@ async fn session(
     health.up(COMPONENT);
     let result = loop {
         let busy = health.busy(COMPONENT);
-        let round = round(&conn, names, pool, broker.confirm_timeout, seen).await;
+        let round = round(
+            &conn,
+            names,
+            pool,
+            broker.confirm_timeout,
+            seen,
+            &busy,
+            token,
+        )
+        .await;
         drop(busy);
         match round {
             Ok(()) => health.up(COMPONENT),
@@ -92,14 +102,25 @@ async fn session(
     result
 }
 
+/// One round: at most [`CHUNKS_PER_ROUND`] chunks moved (progress reported after
+/// each, so a long backlog is not a stall; shutdown stops it between chunks), then
+/// the book counted for the gauge.
 async fn round(
     conn: &lapin::Connection,
     names: &Names,
     pool: &Pool,
     reply_timeout: Duration,
     seen: &std::sync::Mutex<BTreeSet<String>>,
+    busy: &Busy,
+    token: &CancellationToken,
 ) -> Result<(), ParkedError> {
-    let moved = book::archive(conn, names, pool, reply_timeout).await?;
+    let mut chunks = 0;
+    let mut next_chunk = || {
+        busy.progress();
+        chunks += 1;
+        chunks <= CHUNKS_PER_ROUND && !token.is_cancelled()
+    };
+    let moved = archive::archive(conn, names, pool, reply_timeout, &mut next_chunk).await?;
     if moved > 0 {
         tracing::info!(moved, "parked messages moved into the parked book");
     }
@@ -115,10 +136,4 @@ async fn round(
     }
     seen.extend(now);
     Ok(())
-}
-
-impl From<BrokerError> for Ended {
-    fn from(e: BrokerError) -> Self {
-        Ended(e.into())
-    }
 }

@@ -1,32 +1,19 @@
 //! The parked book (`lapse_parked`): parked messages as rows, moved out of `<P>.parked`
-//! once by [`archive`] and read, counted, replayed and purged here, never by reading
-//! the queue again. Rows live in the first order database.
-//!
-//! Moving a message: `basic.get` it, insert its row (with its body, headers and what
-//! [`Entry::read`] made of them) and commit, then acknowledge. A failure before the
-//! commit leaves the message in the queue; an acknowledgement lost after the commit
-//! brings the message back once more, and its fingerprint (the body, the park time and
-//! reason, where it came from) makes that second insert a no-op. Nothing is ever given
-//! back to the queue on purpose, so no delivery limit is spent.
+//! once ([`super::archive`]) and read, counted, replayed and purged here, never by
+//! reading the queue again. Rows live in the first order database, each under the
+//! broker prefix it came from.
+
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use lapin::Connection;
-use lapin::message::Delivery;
-use lapin::options::BasicGetOptions;
 use serde::Serialize;
 use serde_json::Value;
 use tokio_postgres::types::Type;
 
-use super::entry::{Kind, ReasonSource, fnv1a, headers_json, rfc3339};
-use super::{Entry, ParkedError};
-use crate::amqp::batch::ack;
-use crate::amqp::broker::{self, BrokerError, QueueState};
+use super::Entry;
+use super::entry::{Kind, ReasonSource};
 use crate::db::{DbError, Pool, column};
 use crate::message::TimeoutMessage;
-use crate::names::Names;
-
-/// Messages moved per transaction.
-pub const CHUNK: usize = 100;
 
 /// One row of the book: the entry, and what `show` prints besides.
 #[derive(Clone, Debug, Serialize)]
@@ -59,162 +46,6 @@ impl Selection {
     /// The rows' filter as SQL over `$1` (ids), `$2` (all), `$3` (reason).
     const SQL: &'static str = "(id = ANY($1) OR $2
         OR ($3::text IS NOT NULL AND (strpos(lower(reason), lower($3)) > 0 OR lower(cause) = lower($3))))";
-}
-
-/// Moves every message ready in `<P>.parked` into the book; returns how many. The
-/// channel is closed whatever happens, so a message taken but not archived (the
-/// database away) goes back to the queue at once.
-pub async fn archive(
-    conn: &Connection,
-    names: &Names,
-    pool: &Pool,
-    reply_timeout: std::time::Duration,
-) -> Result<usize, ParkedError> {
-    let channel = broker::open_channel_within(conn, reply_timeout).await?;
-    let moved = take(&channel, names, pool, reply_timeout).await;
-    broker::close_channel_quietly(&channel, "parked messages archived").await;
-    moved
-}
-
-async fn take(
-    channel: &lapin::Channel,
-    names: &Names,
-    pool: &Pool,
-    reply_timeout: std::time::Duration,
-) -> Result<usize, ParkedError> {
-    let queue = names.parked();
-    let asked = broker::passive_declare(channel, &queue);
-    let total = match broker::within(reply_timeout, "queue.declare", asked).await? {
-        QueueState::Exists(counts) => counts.messages,
-        QueueState::Missing => return Err(ParkedError::NoQueue(queue)),
-    };
-    let mut moved = 0;
-    let mut taken = 0;
-    while taken < total {
-        let mut chunk: Vec<Delivery> = Vec::new();
-        while chunk.len() < CHUNK && taken < total {
-            let get = channel.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false });
-            let got = broker::replied(reply_timeout, "basic.get", get)
-                .await?
-                .map_err(BrokerError::amqp("basic.get"))?;
-            match got {
-                Some(m) => {
-                    chunk.push(m.delivery);
-                    taken += 1;
-                }
-                None => taken = total,
-            }
-        }
-        if chunk.is_empty() {
-            break;
-        }
-        insert(pool, names, &chunk).await?;
-        for delivery in &chunk {
-            ack(delivery).await?;
-        }
-        moved += chunk.len();
-    }
-    Ok(moved)
-}
-
-const INSERT_SQL: &str = "
-INSERT INTO lapse_parked (prefix, fingerprint, id, kind, cause, order_id, shard, deadline,
-                          deadline_version, attempts, reason, reason_source, parked_at,
-                          exchange, routing_key, message_id, headers, body)
-SELECT $18, * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[],
-                     $6::int[], $7::timestamptz[], $8::int[], $9::bigint[], $10::text[],
-                     $11::text[], $12::timestamptz[], $13::text[], $14::text[],
-                     $15::text[], $16::jsonb[], $17::bytea[])
-ON CONFLICT (prefix, fingerprint) DO NOTHING";
-
-/// Inserts one chunk's rows in one transaction.
-// Over 60 lines on purpose: one column array per field of the row, filled in one pass.
-async fn insert(pool: &Pool, names: &Names, chunk: &[Delivery]) -> Result<(), DbError> {
-    let mut fingerprint = Vec::new();
-    let mut id = Vec::new();
-    let mut kind = Vec::new();
-    let mut cause = Vec::new();
-    let mut order_id = Vec::new();
-    let mut shard = Vec::new();
-    let mut deadline = Vec::new();
-    let mut version = Vec::new();
-    let mut attempts = Vec::new();
-    let mut reason = Vec::new();
-    let mut source = Vec::new();
-    let mut parked_at = Vec::new();
-    let mut exchange = Vec::new();
-    let mut routing_key = Vec::new();
-    let mut message_id = Vec::new();
-    let mut headers = Vec::new();
-    let mut body = Vec::new();
-    for d in chunk {
-        let e = Entry::read(d, names);
-        let h = headers_json(d.properties.headers().as_ref());
-        let mut print = d.data.clone();
-        for part in [
-            e.reason.as_str(),
-            &e.parked_at.map(rfc3339).unwrap_or_default(),
-            &e.exchange,
-            &e.routing_key,
-            &h.to_string(),
-        ] {
-            print.push(0);
-            print.extend_from_slice(part.as_bytes());
-        }
-        fingerprint.push(format!("{:016x}-{}", fnv1a(&print), d.data.len()));
-        id.push(e.id.clone());
-        kind.push(word(&e.kind));
-        cause.push(e.cause.clone());
-        order_id.push(e.order_id);
-        shard.push(e.shard.map(i32::from));
-        deadline.push(e.deadline);
-        version.push(e.deadline_version);
-        attempts.push(i64::from(e.attempts));
-        reason.push(e.reason.clone());
-        source.push(word(&e.reason_source));
-        parked_at.push(e.parked_at);
-        exchange.push(e.exchange.clone());
-        routing_key.push(e.routing_key.clone());
-        message_id.push(d.properties.message_id().as_ref().map(|m| m.to_string()));
-        headers.push(h);
-        body.push(d.data.clone());
-    }
-    let mut client = pool.get().await?;
-    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
-    tx.execute_typed(
-        INSERT_SQL,
-        &[
-            (&fingerprint, Type::TEXT_ARRAY),
-            (&id, Type::TEXT_ARRAY),
-            (&kind, Type::TEXT_ARRAY),
-            (&cause, Type::TEXT_ARRAY),
-            (&order_id, Type::INT8_ARRAY),
-            (&shard, Type::INT4_ARRAY),
-            (&deadline, Type::TIMESTAMPTZ_ARRAY),
-            (&version, Type::INT4_ARRAY),
-            (&attempts, Type::INT8_ARRAY),
-            (&reason, Type::TEXT_ARRAY),
-            (&source, Type::TEXT_ARRAY),
-            (&parked_at, Type::TIMESTAMPTZ_ARRAY),
-            (&exchange, Type::TEXT_ARRAY),
-            (&routing_key, Type::TEXT_ARRAY),
-            (&message_id, Type::TEXT_ARRAY),
-            (&headers, Type::JSONB_ARRAY),
-            (&body, Type::BYTEA_ARRAY),
-            (&names.prefix, Type::TEXT),
-        ],
-    )
-    .await?;
-    tx.commit().await?;
-    Ok(())
-}
-
-/// A serde unit variant's name (`timeout`, `lapse`).
-fn word<T: Serialize>(value: &T) -> String {
-    serde_json::to_value(value)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_default()
 }
 
 fn from_word<T: serde::de::DeserializeOwned>(text: String) -> Option<T> {
@@ -268,14 +99,15 @@ pub async fn page(
     after: i64,
     limit: i64,
 ) -> Result<(Vec<Row>, bool), DbError> {
-    let client = pool.get().await?;
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
     let filter = if selection.is_some() {
         Selection::SQL
     } else {
         "true"
     };
     let sel = selection.cloned().unwrap_or_default();
-    let rows = client
+    let rows = tx
         .query_typed(
             &format!(
                 "SELECT {COLUMNS} FROM lapse_parked
@@ -292,6 +124,7 @@ pub async fn page(
             ],
         )
         .await?;
+    tx.commit().await?;
     let more = i64::try_from(rows.len()).unwrap_or(i64::MAX) > limit;
     let rows = rows
         .iter()
@@ -313,17 +146,23 @@ pub struct Count {
 }
 
 pub async fn counts(pool: &Pool, prefix: &str) -> Result<Vec<Count>, DbError> {
-    let client = pool.get().await?;
-    let rows = client
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    let rows = tx
         .query_typed(
-            "SELECT cause, count(*) AS count, min(coalesce(parked_at, archived_at)) AS oldest,
-                    max(coalesce(parked_at, archived_at)) AS newest,
-                    (array_agg(reason ORDER BY seq DESC))[1] AS example
-               FROM lapse_parked WHERE prefix = $1
-              GROUP BY cause ORDER BY count(*) DESC, cause",
+            "SELECT c.cause, c.count, c.oldest, c.newest,
+                    (SELECT reason FROM lapse_parked p
+                      WHERE p.prefix = $1 AND p.cause = c.cause
+                      ORDER BY p.seq DESC LIMIT 1) AS example
+               FROM (SELECT cause, count(*) AS count,
+                            min(coalesce(parked_at, archived_at)) AS oldest,
+                            max(coalesce(parked_at, archived_at)) AS newest
+                       FROM lapse_parked WHERE prefix = $1 GROUP BY cause) c
+              ORDER BY c.count DESC, c.cause",
             &[(&prefix, Type::TEXT)],
         )
         .await?;
+    tx.commit().await?;
     rows.iter()
         .map(|r| {
             Ok(Count {
@@ -381,4 +220,76 @@ pub async fn delete(tx: &tokio_postgres::Transaction<'_>, seqs: &[i64]) -> Resul
             &[(&seqs, Type::INT8_ARRAY)],
         )
         .await?)
+}
+
+/// How long a replay's claim on its rows lasts: a replay that died mid-way leaves its
+/// rows to the next one after this.
+pub fn claim_for(confirm_timeout: Duration) -> Duration {
+    confirm_timeout
+        .saturating_mul(4)
+        .max(Duration::from_secs(60))
+}
+
+/// Claims up to `limit` selected rows after `after` (a `seq`) that no other replay
+/// holds, in book order, for `claim` — in a short transaction of its own, so nothing is
+/// held open while the broker is asked. With `dry_run` nothing is claimed.
+pub async fn claim(
+    pool: &Pool,
+    prefix: &str,
+    selection: &Selection,
+    after: i64,
+    limit: i64,
+    claim: Duration,
+    dry_run: bool,
+) -> Result<Vec<Row>, DbError> {
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    let rows = tx
+        .query_typed(
+            &format!(
+                "SELECT {COLUMNS} FROM lapse_parked
+                  WHERE prefix = $4 AND seq > $5 AND {}
+                    AND (claimed_until IS NULL OR claimed_until < clock_timestamp())
+                  ORDER BY seq LIMIT $6 FOR UPDATE SKIP LOCKED",
+                Selection::SQL
+            ),
+            &[
+                (&selection.ids, Type::TEXT_ARRAY),
+                (&selection.all, Type::BOOL),
+                (&selection.reason, Type::TEXT),
+                (&prefix, Type::TEXT),
+                (&after, Type::INT8),
+                (&limit, Type::INT8),
+            ],
+        )
+        .await?;
+    let rows = rows.iter().map(row).collect::<Result<Vec<_>, _>>()?;
+    if !dry_run && !rows.is_empty() {
+        let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+        let ms = i64::try_from(claim.as_millis()).unwrap_or(i64::MAX);
+        tx.execute_typed(
+            "UPDATE lapse_parked
+                SET claimed_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
+              WHERE seq = ANY($1)",
+            &[(&seqs, Type::INT8_ARRAY), (&ms, Type::INT8)],
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(rows)
+}
+
+/// Settles a replayed chunk: the rows whose destination confirmed leave the book, the
+/// others are free for the next replay.
+pub async fn settle(pool: &Pool, done: &[i64], kept: &[i64]) -> Result<(), DbError> {
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    delete(&tx, done).await?;
+    tx.execute_typed(
+        "UPDATE lapse_parked SET claimed_until = NULL WHERE seq = ANY($1)",
+        &[(&kept, Type::INT8_ARRAY)],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
 }

@@ -15,6 +15,7 @@
 //! row, at worst next to a copy already on its way: the same ID, absorbed by the
 //! database's guards.
 
+pub mod archive;
 pub mod archiver;
 pub mod book;
 mod entry;
@@ -91,11 +92,15 @@ impl ParkedError {
 }
 
 /// Rows published per batch of confirms.
-const REPLAY_CHUNK: usize = 100;
+const REPLAY_CHUNK: i64 = 100;
 
-/// Replays the selected rows (or, with `dry_run`, says where each would go). Each row
-/// leaves the book only once its destination confirmed it; a row that cannot be
-/// replayed stays, with the reason in its outcome.
+/// Replays the selected rows (or, with `dry_run`, says where each would go), a chunk
+/// at a time: claim the chunk's rows (a short transaction; a concurrent replay skips
+/// them), publish with confirms, then delete the rows whose destination confirmed and
+/// free the others. No transaction stays open while the broker is asked, so a slow
+/// broker cannot outlast the database's idle limit. A replay that dies mid-chunk leaves
+/// its rows claimed for [`book::claim_for`]; the next replay after that takes them.
+// Over 60 lines on purpose: one chunk: claim, plan, publish, settle, stop on a stall.
 pub async fn replay(
     conn: &Connection,
     pool: &Pool,
@@ -103,33 +108,35 @@ pub async fn replay(
     prefix: &str,
     selection: &Selection,
     dry_run: bool,
+    confirm_timeout: std::time::Duration,
 ) -> Result<Vec<Item>, ParkedError> {
-    let mut client = pool.get().await.map_err(DbError::from)?;
-    let tx = crate::db::begin(&mut client, pool.limits()).await?;
-    let rows = book::select_for_update(&tx, prefix, selection).await?;
     let publisher = Publisher::new(conn).await?;
-    let mut items = Vec::with_capacity(rows.len());
-    let mut done = Vec::new();
-    for chunk in rows.chunks(REPLAY_CHUNK) {
+    let claim = book::claim_for(confirm_timeout);
+    let mut items = Vec::new();
+    let mut after = 0;
+    loop {
+        let chunk =
+            book::claim(pool, prefix, selection, after, REPLAY_CHUNK, claim, dry_run).await?;
+        let Some(last) = chunk.last() else { break };
+        after = last.seq;
         let entries: Vec<&Entry> = chunk.iter().map(|r| &r.entry).collect();
         let targets = router.targets(conn, &entries).await?;
         let mut outgoing = Vec::new();
         let mut planned = Vec::with_capacity(chunk.len());
         for (row, target) in chunk.iter().zip(targets) {
-            match target {
-                Ok(target) if dry_run => {
-                    planned.push((row, Some(Outcome::WouldReplay { to: target.to() })))
-                }
+            planned.push(match target {
+                Ok(target) if dry_run => (row, Outcome::WouldReplay { to: target.to() }),
                 Ok(target) => {
-                    planned.push((row, Some(Outcome::Replayed { to: target.to() })));
+                    let to = target.to();
                     outgoing.push(target.outgoing());
+                    (row, Outcome::Replayed { to })
                 }
-                Err(error) => planned.push((row, Some(Outcome::Failed { error }))),
-            }
+                Err(error) => (row, Outcome::Failed { error }),
+            });
         }
         let results = publisher.publish_all(outgoing).await;
-        // No confirm at all (a broker alarm blocks publishing): stop; the rows of this
-        // chunk and after stay (the transaction is not committed for them).
+        // No confirm at all (a broker alarm blocks publishing): stop; this chunk's
+        // rows are freed, what earlier chunks replayed is gone from the book.
         if let Some(Err(e)) = results.iter().find(|r| {
             matches!(
                 r,
@@ -137,36 +144,37 @@ pub async fn replay(
             )
         }) {
             let stalled = ParkedError::Stalled(e.to_string());
-            // What earlier chunks replayed is confirmed: it leaves the book.
-            book::delete(&tx, &done).await?;
-            tx.commit().await.map_err(DbError::from)?;
+            let all: Vec<i64> = chunk.iter().map(|r| r.seq).collect();
+            book::settle(pool, &[], &all).await?;
             return Err(stalled);
         }
         let mut results = results.into_iter();
+        let (mut done, mut kept) = (Vec::new(), Vec::new());
         for (row, outcome) in planned {
             let outcome = match outcome {
-                Some(Outcome::Replayed { to }) => {
+                Outcome::Replayed { to } => {
                     match results.next().unwrap_or(Err(BrokerError::ConnectionLost)) {
-                        Ok(()) => {
-                            done.push(row.seq);
-                            Outcome::Replayed { to }
-                        }
+                        Ok(()) => Outcome::Replayed { to },
                         Err(e) => Outcome::Failed {
                             error: format!("not replayed to {to}: {e}"),
                         },
                     }
                 }
-                Some(other) => other,
-                None => Outcome::Kept,
+                other => other,
             };
+            match outcome {
+                Outcome::Replayed { .. } => done.push(row.seq),
+                _ => kept.push(row.seq),
+            }
             items.push(Item {
                 row: row.clone(),
                 outcome,
             });
         }
+        if !dry_run {
+            book::settle(pool, &done, &kept).await?;
+        }
     }
-    book::delete(&tx, &done).await?;
-    tx.commit().await.map_err(DbError::from)?;
     Ok(items)
 }
 

@@ -521,3 +521,21 @@ async fn deployments_sharing_a_database_see_only_their_own_parked_messages() {
     theirs.cleanup().await;
     ours.cleanup().await;
 }
+
+/// A reason carrying a NUL character (PostgreSQL text refuses it) is stored with U+FFFD
+/// in its place; the message is neither stuck in the queue nor lost, and the rest of its
+/// chunk moves too.
+#[tokio::test]
+async fn a_reason_with_a_nul_character_is_stored_and_listed() {
+    let env = applied(&["1s"]).await;
+    park(&env, b"{\"a\": 1}", "bad\0byte").await;
+    park(&env, b"{\"b\": 2}", "fine").await;
+    let listed = list(&env);
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0]["reason"], "bad\u{FFFD}byte");
+    assert_eq!(
+        queues::depth(&env.conn, &env.names().parked()).await,
+        Some(0)
+    );
+    env.cleanup().await;
+}

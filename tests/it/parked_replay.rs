@@ -287,3 +287,50 @@ async fn a_pass_during_a_broker_alarm_stops_and_loses_nothing() {
     drop(rabbit);
     env.cleanup().await;
 }
+
+/// A row another replay holds (claimed, its publish in flight) is skipped, not
+/// published twice; once the claim has passed (that replay died), the next replay
+/// takes it.
+#[tokio::test]
+async fn a_row_claimed_by_another_replay_is_skipped_until_its_claim_passes() {
+    let env = applied(&["1s", "1m"]).await;
+    let expire_at = Utc::now() + chrono::Duration::minutes(5);
+    for order in [21, 22] {
+        park(
+            &env,
+            &timeout(order, expire_at, 1).encode(),
+            "database unavailable",
+        )
+        .await;
+    }
+    assert_eq!(list(&env).len(), 2);
+    let db = env.db().await;
+    db.batch_execute(
+        "UPDATE lapse_parked SET claimed_until = clock_timestamp() + interval '1 hour'
+          WHERE id = 'timeout-21-v1'",
+    )
+    .await
+    .unwrap();
+    let first = json_out(&env.lapse(&["parked", "replay", "--all", "--json"]));
+    let replayed: Vec<&str> = first["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(replayed, ["timeout-22-v1"], "{first}");
+    let left = list(&env);
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0]["id"], "timeout-21-v1");
+    db.batch_execute(
+        "UPDATE lapse_parked SET claimed_until = clock_timestamp() - interval '1 second'",
+    )
+    .await
+    .unwrap();
+    let second = json_out(&env.lapse(&["parked", "replay", "--all", "--json"]));
+    assert_eq!(second["messages"][0]["id"], "timeout-21-v1", "{second}");
+    assert_eq!(second["messages"][0]["outcome"], "replayed", "{second}");
+    assert!(list(&env).is_empty());
+    drop(db);
+    env.cleanup().await;
+}

@@ -44,16 +44,17 @@ async fn old_rows_of_finished_orders_go_in_batches_and_nothing_open_or_unapplied
     let open = create_orders(&mut db, &[Duration::from_secs(3600)], &lines).await[0];
     assert_eq!(orders::pay(&db, paid).await.unwrap(), PayOutcome::Paid);
     wait_released(&db, 4).await;
-    for id in [settled, pending] {
+    for id in [settled, pending, unapplied] {
         assert_eq!(orders::pay(&db, id).await.unwrap(), PayOutcome::Late);
     }
+    // Settled, but its order's stock release is not applied: kept with the order.
     db.batch_execute(&format!(
-        "UPDATE late_payments SET refund = 'REFUNDED' WHERE order_id = {};
+        "UPDATE late_payments SET refund = 'REFUNDED' WHERE order_id IN ({}, {});
          UPDATE orders SET released_at = NULL WHERE id = {};
          UPDATE order_events SET at = at - interval '40 days';
          UPDATE stock_ledger SET at = at - interval '100 days';
          UPDATE late_payments SET received_at = received_at - interval '500 days';",
-        settled.0, unapplied.0
+        settled.0, unapplied.0, unapplied.0
     ))
     .await
     .unwrap();
@@ -86,9 +87,11 @@ async fn old_rows_of_finished_orders_go_in_batches_and_nothing_open_or_unapplied
         assert_eq!(of(&db, "order_events", "order_id", id).await, 0, "{id}");
         assert_eq!(of(&db, "stock_ledger", "order_id", id).await, 0, "{id}");
     }
-    // The settled refund went, the pending one stays.
+    // The settled refund went, the pending one stays, and so does the settled one of
+    // the order whose release is unapplied.
     assert_eq!(of(&db, "late_payments", "order_id", settled).await, 0);
     assert_eq!(of(&db, "late_payments", "order_id", pending).await, 1);
+    assert_eq!(of(&db, "late_payments", "order_id", unapplied).await, 1);
     let pruned_events = events_before - count(&db, "SELECT count(*) FROM order_events").await;
     let pruned_ledger = ledger_before - count(&db, "SELECT count(*) FROM stock_ledger").await;
     assert_eq!(report.pruned, [pruned_events, pruned_ledger, 1]);

@@ -23,9 +23,9 @@ const EXIT_CODES: &[(u8, &str)] = &[
 
 #[derive(Debug, Subcommand)]
 pub enum ParkedCommand {
-    /// List parked messages in the order they were parked, a page at a time: ID, kind,
-    /// order, deadline, version, attempts, when parked, cause and reason. Reads the
-    /// parked book, never the queue again: listing spends no delivery.
+    /// List parked messages in the order they reached the parked book, a page at a
+    /// time: ID, kind, order, deadline, version, attempts, when parked, cause and
+    /// reason. Reads the parked book, never the queue again: listing spends no delivery.
     #[command(after_help = crate::cli::help::after(
         &[
             "lapse parked list",

@@ -27,17 +27,19 @@ struct Parked<'a> {
 
 impl Parked<'_> {
     /// Moves what arrived in `<P>.parked` into the book. For a command that only
-    /// reads, a broker that cannot be reached is a warning: the book is shown as it is.
+    /// reads, a failure to move (the broker away, a message the database refuses) is a
+    /// warning: the book is shown as it is.
     async fn archive(&self, required: bool) -> Result<Option<lapin::Connection>, ParkedError> {
         let endpoint = crate::amqp::endpoint(&self.config.broker)
             .map_err(|e| ParkedError::Broker(unavailable(e.into())))?;
         let moved = async {
             let conn = endpoint.connect("lapse parked").await?;
-            match book::archive(
+            match crate::parked::archive::archive(
                 &conn,
                 &self.config.names(),
                 &self.pool,
                 endpoint.confirm_timeout,
+                &mut || true,
             )
             .await
             {
@@ -50,7 +52,7 @@ impl Parked<'_> {
         };
         match moved.await {
             Ok(conn) => Ok(Some(conn)),
-            Err(e) if !required && !matches!(e, ParkedError::Db(_)) => {
+            Err(e) if !required => {
                 eprintln!(
                     "warning: new arrivals in {} not moved into the parked book ({}); \
                      showing the book as it is",
@@ -127,15 +129,14 @@ async fn list(
     } else {
         print!("{}", table(rows.iter().map(|r| (r, None)), rows.len()));
         if let (true, Some(last)) = (more, rows.last()) {
-            println!(
-                "more: lapse parked list --after {}{}",
-                last.seq,
-                if limit == 100 {
-                    String::new()
-                } else {
-                    format!(" --limit {limit}")
-                }
-            );
+            let mut next = format!("more: lapse parked list --after {}", last.seq);
+            if limit != 100 {
+                next.push_str(&format!(" --limit {limit}"));
+            }
+            if let Some(reason) = selection.as_ref().and_then(|s| s.reason.as_deref()) {
+                next.push_str(&format!(" --reason {reason:?}"));
+            }
+            println!("{next}");
         }
     }
     Ok(ExitStatus::Ok)
@@ -248,6 +249,7 @@ async fn replay(
         &config.broker.prefix,
         &select.selection(),
         dry_run,
+        config.broker.confirm_timeout,
     )
     .await;
     crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
