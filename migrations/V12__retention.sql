@@ -9,6 +9,24 @@ SET LOCAL lock_timeout = '5s';
 -- On a large installation build them first, without blocking writes, under the same
 -- names (`CREATE INDEX CONCURRENTLY order_events_by_time ON order_events (at)`, ...,
 -- docs/operations.md "Retention"); then these find them and take no time.
+-- An index left INVALID by an interrupted CREATE INDEX CONCURRENTLY would be taken as
+-- built by IF NOT EXISTS and never used: refuse it, naming it.
+DO $$
+DECLARE
+    v_bad text;
+BEGIN
+    SELECT string_agg(c.relname, ', ') INTO v_bad
+      FROM pg_index i
+      JOIN pg_class c ON c.oid = i.indexrelid
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE n.nspname = current_schema() AND NOT i.indisvalid
+       AND c.relname IN ('order_events_by_time', 'stock_ledger_by_time',
+                         'late_payments_settled_by_time');
+    IF v_bad IS NOT NULL THEN
+        RAISE EXCEPTION 'index % is invalid (an interrupted CREATE INDEX CONCURRENTLY): DROP INDEX CONCURRENTLY it and build it again', v_bad;
+    END IF;
+END $$;
+
 CREATE INDEX IF NOT EXISTS order_events_by_time ON order_events (at);
 CREATE INDEX IF NOT EXISTS stock_ledger_by_time ON stock_ledger (at);
 CREATE INDEX IF NOT EXISTS late_payments_settled_by_time ON late_payments (received_at)

@@ -10,7 +10,8 @@ CREATE TABLE lapse_parked (
     -- database never see (or replay) each other's.
     prefix           text        NOT NULL,
     -- The same parking archived twice (an acknowledgement lost after the insert) is
-    -- one row: a hash of the body, the park time and reason, and where it came from.
+    -- one row: SHA-256 of the body, the reason and park time, where it came from and
+    -- its headers without the delivery counts the broker rewrites.
     fingerprint      text        NOT NULL,
     id               text        NOT NULL,
     kind             text        NOT NULL,
@@ -24,9 +25,10 @@ CREATE TABLE lapse_parked (
     reason_source    text        NOT NULL,
     parked_at        timestamptz,
     archived_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
-    -- A replay in progress holds its rows until then (a replay that died frees them
-    -- when it passes).
+    -- A replay in progress holds its rows until then, under its own token (a replay
+    -- that died frees them when the time passes; a purge leaves held rows alone).
     claimed_until    timestamptz,
+    claimed_by       text,
     exchange         text        NOT NULL,
     routing_key      text        NOT NULL,
     message_id       text,

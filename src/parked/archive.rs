@@ -1,7 +1,8 @@
 //! Moving parked messages from `<P>.parked` into the parked book, once each.
 //!
-//! Per chunk of up to [`CHUNK`]: the database is asked first (a message taken while it
-//! is away would only go back, and each return counts as a delivery), then the messages
+//! Per chunk of up to [`CHUNK`]: the database is asked first — a probe row inserted and
+//! rolled back (a message taken while the rows cannot be written would only go back,
+//! and each return counts as a delivery) — then the messages
 //! are taken with `basic.get`, their rows inserted and committed, and only then
 //! acknowledged. A failure before the commit closes the channel, so what was taken goes
 //! back at once. An acknowledgement lost after the commit brings a message back once
@@ -67,13 +68,7 @@ async fn take(
     let mut taken = 0;
     while taken < total && next_chunk() {
         // The database first: nothing is taken while it cannot take the rows.
-        let mut client = pool.get().await.map_err(DbError::from)?;
-        crate::db::begin_short(&mut client, pool.limits(), None)
-            .await?
-            .commit()
-            .await
-            .map_err(DbError::from)?;
-        drop(client);
+        can_insert(pool, &names.prefix).await?;
         let mut chunk: Vec<Delivery> = Vec::new();
         while chunk.len() < CHUNK && taken < total {
             let get = channel.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false });
@@ -98,6 +93,23 @@ async fn take(
         moved += chunk.len();
     }
     Ok(moved)
+}
+
+/// Whether a row can be inserted now: a probe row, rolled back. A database that
+/// answers but cannot take the rows (the table not migrated yet, a read-only server
+/// during a failover, no INSERT privilege) fails here, before any message is taken.
+async fn can_insert(pool: &Pool, prefix: &str) -> Result<(), DbError> {
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    tx.execute_typed(
+        "INSERT INTO lapse_parked (prefix, fingerprint, id, kind, cause, reason,
+                                   reason_source, exchange, routing_key, body)
+         VALUES ($1, 'probe', 'probe', 'unreadable', 'probe', 'probe', 'unknown', '', '', '')",
+        &[(&prefix, Type::TEXT)],
+    )
+    .await?;
+    tx.rollback().await?;
+    Ok(())
 }
 
 const INSERT_SQL: &str = "

@@ -24,6 +24,9 @@ pub struct Row {
     #[serde(flatten)]
     pub entry: Entry,
     pub archived_at: DateTime<Utc>,
+    /// While a replay holds the row: until when.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub claimed_until: Option<DateTime<Utc>>,
     #[serde(skip)]
     pub message_id: Option<String>,
     #[serde(skip)]
@@ -53,8 +56,8 @@ fn from_word<T: serde::de::DeserializeOwned>(text: String) -> Option<T> {
 }
 
 const COLUMNS: &str = "seq, id, kind, cause, order_id, shard, deadline, deadline_version,
-    attempts, reason, reason_source, parked_at, archived_at, exchange, routing_key,
-    message_id, headers, body";
+    attempts, reason, reason_source, parked_at, archived_at, claimed_until, exchange,
+    routing_key, message_id, headers, body";
 
 fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
     let body: Vec<u8> = column(r, "body")?;
@@ -84,6 +87,7 @@ fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
             timeout,
         },
         archived_at: column(r, "archived_at")?,
+        claimed_until: column(r, "claimed_until")?,
         message_id: column(r, "message_id")?,
         headers: column(r, "headers")?,
         body,
@@ -188,7 +192,7 @@ pub async fn total<C: tokio_postgres::GenericClient>(db: &C, prefix: &str) -> Re
 }
 
 /// The selected rows, locked for this transaction (rows another operator's command
-/// holds are skipped), in book order.
+/// holds, or a replay has claimed, are skipped), in book order.
 pub async fn select_for_update(
     tx: &tokio_postgres::Transaction<'_>,
     prefix: &str,
@@ -198,6 +202,7 @@ pub async fn select_for_update(
         .query_typed(
             &format!(
                 "SELECT {COLUMNS} FROM lapse_parked WHERE prefix = $4 AND {}
+                    AND (claimed_until IS NULL OR claimed_until < clock_timestamp())
                   ORDER BY seq FOR UPDATE SKIP LOCKED",
                 Selection::SQL
             ),
@@ -230,16 +235,79 @@ pub fn claim_for(confirm_timeout: Duration) -> Duration {
         .max(Duration::from_secs(60))
 }
 
-/// Claims up to `limit` selected rows after `after` (a `seq`) that no other replay
-/// holds, in book order, for `claim` — in a short transaction of its own, so nothing is
-/// held open while the broker is asked. With `dry_run` nothing is claimed.
+/// The newest row of `prefix` now: a replay takes nothing archived after it starts
+/// (a message it replays that comes straight back to parked is not replayed again).
+pub async fn last_seq(pool: &Pool, prefix: &str) -> Result<i64, DbError> {
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    let row = tx
+        .query_typed_one(
+            "SELECT coalesce(max(seq), 0) AS seq FROM lapse_parked WHERE prefix = $1",
+            &[(&prefix, Type::TEXT)],
+        )
+        .await?;
+    tx.commit().await?;
+    column(&row, "seq")
+}
+
+/// The selected rows (up to `upto`) a replay holds right now.
+pub async fn held(
+    pool: &Pool,
+    prefix: &str,
+    selection: &Selection,
+    upto: i64,
+) -> Result<Vec<Row>, DbError> {
+    let mut client = pool.get().await?;
+    let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
+    let rows = tx
+        .query_typed(
+            &format!(
+                "SELECT {COLUMNS} FROM lapse_parked
+                  WHERE prefix = $4 AND seq <= $5 AND {}
+                    AND claimed_until >= clock_timestamp()
+                  ORDER BY seq",
+                Selection::SQL
+            ),
+            &[
+                (&selection.ids, Type::TEXT_ARRAY),
+                (&selection.all, Type::BOOL),
+                (&selection.reason, Type::TEXT),
+                (&prefix, Type::TEXT),
+                (&upto, Type::INT8),
+            ],
+        )
+        .await?;
+    tx.commit().await?;
+    rows.iter().map(row).collect()
+}
+
+/// A replay's claim: its token and how long it lasts.
+pub struct Claim {
+    pub token: String,
+    pub lasts: Duration,
+}
+
+impl Claim {
+    pub fn new(confirm_timeout: Duration) -> Self {
+        Self {
+            token: format!("{:016x}-{}", fastrand::u64(..), std::process::id()),
+            lasts: claim_for(confirm_timeout),
+        }
+    }
+}
+
+/// Claims up to `limit` selected rows in `(after, upto]` that no other replay holds, in
+/// book order — in a short transaction of its own, so nothing is held open while the
+/// broker is asked. With `dry_run` nothing is claimed.
+#[allow(clippy::too_many_arguments)]
 pub async fn claim(
     pool: &Pool,
     prefix: &str,
     selection: &Selection,
     after: i64,
+    upto: i64,
     limit: i64,
-    claim: Duration,
+    claim: &Claim,
     dry_run: bool,
 ) -> Result<Vec<Row>, DbError> {
     let mut client = pool.get().await?;
@@ -248,7 +316,7 @@ pub async fn claim(
         .query_typed(
             &format!(
                 "SELECT {COLUMNS} FROM lapse_parked
-                  WHERE prefix = $4 AND seq > $5 AND {}
+                  WHERE prefix = $4 AND seq > $5 AND seq <= $7 AND {}
                     AND (claimed_until IS NULL OR claimed_until < clock_timestamp())
                   ORDER BY seq LIMIT $6 FOR UPDATE SKIP LOCKED",
                 Selection::SQL
@@ -260,18 +328,24 @@ pub async fn claim(
                 (&prefix, Type::TEXT),
                 (&after, Type::INT8),
                 (&limit, Type::INT8),
+                (&upto, Type::INT8),
             ],
         )
         .await?;
     let rows = rows.iter().map(row).collect::<Result<Vec<_>, _>>()?;
     if !dry_run && !rows.is_empty() {
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
-        let ms = i64::try_from(claim.as_millis()).unwrap_or(i64::MAX);
+        let ms = i64::try_from(claim.lasts.as_millis()).unwrap_or(i64::MAX);
         tx.execute_typed(
             "UPDATE lapse_parked
-                SET claimed_until = clock_timestamp() + $2::bigint * interval '1 millisecond'
+                SET claimed_until = clock_timestamp() + $2::bigint * interval '1 millisecond',
+                    claimed_by = $3
               WHERE seq = ANY($1)",
-            &[(&seqs, Type::INT8_ARRAY), (&ms, Type::INT8)],
+            &[
+                (&seqs, Type::INT8_ARRAY),
+                (&ms, Type::INT8),
+                (&claim.token, Type::TEXT),
+            ],
         )
         .await?;
     }
@@ -279,15 +353,21 @@ pub async fn claim(
     Ok(rows)
 }
 
-/// Settles a replayed chunk: the rows whose destination confirmed leave the book, the
-/// others are free for the next replay.
-pub async fn settle(pool: &Pool, done: &[i64], kept: &[i64]) -> Result<(), DbError> {
+/// Settles a replayed chunk under its claim: the rows whose destination confirmed
+/// leave the book, the others are freed. A row whose claim passed and that another
+/// replay claimed since is left to that replay.
+pub async fn settle(pool: &Pool, claim: &Claim, done: &[i64], kept: &[i64]) -> Result<(), DbError> {
     let mut client = pool.get().await?;
     let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
-    delete(&tx, done).await?;
     tx.execute_typed(
-        "UPDATE lapse_parked SET claimed_until = NULL WHERE seq = ANY($1)",
-        &[(&kept, Type::INT8_ARRAY)],
+        "DELETE FROM lapse_parked WHERE seq = ANY($1) AND claimed_by = $2",
+        &[(&done, Type::INT8_ARRAY), (&claim.token, Type::TEXT)],
+    )
+    .await?;
+    tx.execute_typed(
+        "UPDATE lapse_parked SET claimed_until = NULL, claimed_by = NULL
+          WHERE seq = ANY($1) AND claimed_by = $2",
+        &[(&kept, Type::INT8_ARRAY), (&claim.token, Type::TEXT)],
     )
     .await?;
     tx.commit().await?;

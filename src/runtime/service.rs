@@ -191,8 +191,17 @@ impl Starter<'_> {
             let home = database.for_shard(&database.shard_list()[0]);
             let pool = db::pool(&home, 2)?;
             let names = config.names();
-            self.add(crate::parked::archiver::COMPONENT, move |b, h, t| {
-                crate::parked::archiver::run(b, names.clone(), pool.clone(), h, t)
+            let (schemas, index) = (self.schemas.clone(), database.shard_list()[0].index);
+            let name = crate::parked::archiver::COMPONENT;
+            self.add(name, move |b, h, t| {
+                let (names, pool, schemas) = (names.clone(), pool.clone(), schemas.clone());
+                async move {
+                    // Nothing is taken from the queue before the book's table exists.
+                    if !migrations::wait_migrated(&schemas, index, name, &h, &t).await {
+                        return Ok(());
+                    }
+                    crate::parked::archiver::run(b, names, pool, h, t).await
+                }
             });
         }
         if w.consumer || w.relay || w.releaser {

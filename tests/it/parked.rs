@@ -456,8 +456,11 @@ async fn a_worker_moves_parked_messages_into_the_book_and_counts_them_by_cause()
     assert_eq!(
         queues::depth(&env.conn, &env.names().parked()).await,
         Some(1),
-        "taken but not archived: back in the queue"
+        "not archived: still in the queue"
     );
+    // A worker that cannot archive still closes deadlines: it stays ready.
+    let (status, body) = crate::endpoints::get(port, "/readyz").await.unwrap();
+    assert_eq!(status, 200, "{body}");
     db.batch_execute("ALTER TABLE lapse_parked_away RENAME TO lapse_parked")
         .await
         .unwrap();
@@ -465,6 +468,26 @@ async fn a_worker_moves_parked_messages_into_the_book_and_counts_them_by_cause()
         (crate::helpers::count(&db, "SELECT count(*) FROM lapse_parked").await == 3).then_some(())
     })
     .await;
+    // Never taken while the table was away: delivered once, when it was archived (a
+    // quorum queue counts earlier deliveries in x-delivery-count).
+    let third = crate::helpers::count(
+        &db,
+        "SELECT count(*) FROM lapse_parked
+          WHERE body = '\\xff207468697264'::bytea
+            AND coalesce((headers ->> 'x-delivery-count')::int, 0) = 0",
+    )
+    .await;
+    if third != 1 {
+        let rows = db
+            .query(
+                "SELECT encode(body, 'hex') AS b, headers::text AS h FROM lapse_parked",
+                &[],
+            )
+            .await
+            .unwrap();
+        let shown: Vec<(String, String)> = rows.iter().map(|r| (r.get("b"), r.get("h"))).collect();
+        panic!("the third message was taken and given back while the table was away: {shown:?}");
+    }
 
     // Purged: the gauge reads 0, not its last value.
     let purged = env.lapse(&["parked", "purge", "--all", "--yes"]);

@@ -311,17 +311,39 @@ async fn a_row_claimed_by_another_replay_is_skipped_until_its_claim_passes() {
     )
     .await
     .unwrap();
-    let first = json_out(&env.lapse(&["parked", "replay", "--all", "--json"]));
-    let replayed: Vec<&str> = first["messages"]
+    // The held row is reported (exit 1), the other replayed.
+    let first = env.lapse(&["parked", "replay", "--all", "--json"]);
+    assert_eq!(first.status.code(), Some(1));
+    let first: Value = serde_json::from_str(&stdout(&first)).unwrap();
+    let outcomes: Vec<(&str, &str)> = first["messages"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| m["id"].as_str().unwrap())
+        .map(|m| (m["id"].as_str().unwrap(), m["outcome"].as_str().unwrap()))
         .collect();
-    assert_eq!(replayed, ["timeout-22-v1"], "{first}");
+    assert_eq!(
+        outcomes,
+        [("timeout-21-v1", "failed"), ("timeout-22-v1", "replayed")],
+        "{first}"
+    );
     let left = list(&env);
     assert_eq!(left.len(), 1);
     assert_eq!(left[0]["id"], "timeout-21-v1");
+    // Held rows are reported, not passed over in silence: by a replay and by a purge.
+    let again = env.lapse(&["parked", "replay", "timeout-21-v1", "--json"]);
+    assert_eq!(again.status.code(), Some(1));
+    let again: Value = serde_json::from_str(&stdout(&again)).unwrap();
+    assert_eq!(again["messages"][0]["outcome"], "failed", "{again}");
+    assert!(
+        again["messages"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("held by another replay"),
+        "{again}"
+    );
+    let purge = env.lapse(&["parked", "purge", "--all", "--yes", "--json"]);
+    assert_eq!(purge.status.code(), Some(1));
+    assert_eq!(list(&env).len(), 1, "a held row is not purged");
     db.batch_execute(
         "UPDATE lapse_parked SET claimed_until = clock_timestamp() - interval '1 second'",
     )

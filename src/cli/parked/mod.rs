@@ -242,7 +242,7 @@ async fn replay(
         .archive(true)
         .await?
         .expect("a required archive connects or fails");
-    let items = crate::parked::replay(
+    let replayed = crate::parked::replay(
         &conn,
         &parked.pool,
         &router,
@@ -253,7 +253,18 @@ async fn replay(
     )
     .await;
     crate::amqp::broker::close_quietly(&conn, "lapse parked done").await;
-    report(select, items?, json)
+    let replayed = replayed?;
+    let status = report(select, replayed.items, json)?;
+    match replayed.stalled {
+        Some(why) => {
+            eprintln!(
+                "error: stopped: {why}; what was not confirmed stays parked (the rest is \
+                 done); replay again once the broker accepts publishes"
+            );
+            Ok(ExitStatus::Failed)
+        }
+        None => Ok(status),
+    }
 }
 
 async fn purge(
