@@ -180,3 +180,44 @@ async fn a_table_kept_forever_is_not_pruned() {
     assert_eq!(of(&db, "stock_ledger", "order_id", paid).await, 0);
     env.cleanup().await;
 }
+
+/// A legacy order (its deadline outside the range lapse handles, written before the
+/// rules; PostgreSQL refuses every UPDATE of it) with an old settled late payment: left
+/// alone, while the same payment of an ordinary order goes; the sweep does not fail.
+#[tokio::test]
+async fn a_legacy_order_s_late_payment_is_left_alone_and_the_sweep_goes_on() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let db = env.db().await;
+    db.batch_execute(
+        "ALTER TABLE orders DROP CONSTRAINT orders_expire_at_in_range;
+         INSERT INTO orders (id, status, expire_at, closed_at, close_reason, released_at) VALUES
+           (9001, 'CLOSED', '-infinity', now() - interval '3 days', 'sweeper', now()),
+           (9002, 'CLOSED', now() - interval '3 days', now() - interval '3 days', 'timeout', now());
+         INSERT INTO late_payments (order_id, received_at, refund) VALUES
+           (9001, now() - interval '500 days', 'REFUNDED'),
+           (9002, now() - interval '500 days', 'REFUNDED');
+         ALTER TABLE orders ADD CONSTRAINT orders_expire_at_in_range
+           CHECK (expire_at >= timestamptz '1970-01-01 00:00:00+00'
+                  AND expire_at < timestamptz '10000-01-01 00:00:00+00') NOT VALID;",
+    )
+    .await
+    .unwrap();
+    let config = env.config();
+    let sweeper = Sweeper {
+        retention: RetentionConfig::default(),
+        pool: lapse::db::pool(&config.database, 2).unwrap(),
+        stats: lapse::observe::stats::Stats::default(),
+        config: config.sweeper.clone(),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
+        lock_timeout: Duration::from_secs(5),
+    };
+    let report = sweeper.run_once().await.expect("the sweep does not fail");
+    assert_eq!(report.pruned[2], 1, "{report:?}");
+    assert_eq!(of(&db, "late_payments", "order_id", OrderId(9001)).await, 1);
+    assert_eq!(of(&db, "late_payments", "order_id", OrderId(9002)).await, 0);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE late_payment_pruned").await,
+        1
+    );
+    env.cleanup().await;
+}
