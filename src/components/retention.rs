@@ -32,11 +32,20 @@ use crate::runtime::health::Busy;
 /// Batches one pass deletes at most per table; the next pass goes on.
 pub const BATCHES_PER_PASS: usize = 50;
 
+/// What a table holds, and so which `retention.*` key keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holds {
+    Timeline,
+    Ledger,
+    LatePayments,
+}
+
 /// One table lapse prunes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Table {
     /// As in `lapse_retention.table_name` and the metric's `table` label.
     pub name: &'static str,
+    holds: Holds,
     /// Deletes one batch: `$1` the age in milliseconds, `$2` the batch size; returns
     /// the deleted rows' count as `pruned`.
     sql: &'static str,
@@ -45,7 +54,8 @@ pub struct Table {
 /// The three tables, in the order they are pruned.
 pub const TABLES: [Table; 3] = [
     Table {
-        name: "timeline",
+        name: m::RETENTION_TABLES[0],
+        holds: Holds::Timeline,
         sql: "WITH gone AS (
                   DELETE FROM order_events
                    WHERE ctid = ANY (ARRAY(
@@ -62,7 +72,8 @@ pub const TABLES: [Table; 3] = [
               SELECT count(*) AS pruned FROM gone",
     },
     Table {
-        name: "ledger",
+        name: m::RETENTION_TABLES[1],
+        holds: Holds::Ledger,
         sql: "WITH gone AS (
                   DELETE FROM stock_ledger
                    WHERE ctid = ANY (ARRAY(
@@ -77,7 +88,8 @@ pub const TABLES: [Table; 3] = [
               SELECT count(*) AS pruned FROM gone",
     },
     Table {
-        name: "late_payments",
+        name: m::RETENTION_TABLES[2],
+        holds: Holds::LatePayments,
         // Two statements of its own ([`prune_late_payments`]): the orders are locked
         // first, as `lapse_pay_order` locks them.
         sql: "",
@@ -93,10 +105,10 @@ pub struct RetentionReport {
 }
 
 fn keep(config: &RetentionConfig, table: &Table) -> Keep {
-    match table.name {
-        "timeline" => config.timeline,
-        "ledger" => config.ledger,
-        _ => config.late_payments,
+    match table.holds {
+        Holds::Timeline => config.timeline,
+        Holds::Ledger => config.ledger,
+        Holds::LatePayments => config.late_payments,
     }
 }
 
@@ -125,9 +137,9 @@ pub async fn run_pass(
                 report.lost_lead = true;
                 return Ok(report);
             }
-            let pruned = match table.name {
-                "late_payments" => prune_late_payments(&tx, age_ms, config.batch_size).await?,
-                _ => {
+            let pruned = match table.holds {
+                Holds::LatePayments => prune_late_payments(&tx, age_ms, config.batch_size).await?,
+                Holds::Timeline | Holds::Ledger => {
                     let row = tx
                         .query_typed_one(
                             table.sql,
