@@ -203,6 +203,12 @@ impl Cli {
     }
 }
 
+/// A `HOST:PORT` argument (`--metrics-listen`, `lapse probe --address`), checked as
+/// the `worker.metrics_listen` key is.
+fn listen_address(text: &str) -> Result<String, String> {
+    crate::config::listen_address(text).map(|()| text.trim().to_string())
+}
+
 pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
     if let Command::Completions(args) = &cli.command {
         return completions::run(args);

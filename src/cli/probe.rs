@@ -19,15 +19,11 @@ pub struct ProbeArgs {
     ready: bool,
     /// The worker's metrics address, HOST:PORT (default: worker.metrics_listen; an
     /// unspecified address such as 0.0.0.0 is asked on loopback).
-    #[arg(long, value_name = "HOST:PORT", value_parser = address)]
+    #[arg(long, value_name = "HOST:PORT", value_parser = super::listen_address)]
     address: Option<String>,
     /// How long to wait for the answer.
     #[arg(long, value_name = "DURATION", default_value = "3s", value_parser = humantime::parse_duration)]
     timeout: Duration,
-}
-
-fn address(text: &str) -> Result<String, String> {
-    crate::config::listen_address(text).map(|()| text.trim().to_string())
 }
 
 pub async fn run(config: &Config, args: ProbeArgs) -> anyhow::Result<ExitStatus> {

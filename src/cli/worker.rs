@@ -54,7 +54,7 @@ pub struct WorkerArgs {
     /// Serve GET /metrics (Prometheus), GET /livez, GET /readyz and GET /health on this
     /// HOST:PORT (e.g. 127.0.0.1:9464, localhost:9464); overrides worker.metrics_listen.
     /// An address that cannot be bound is a startup error.
-    #[arg(long, value_name = "HOST:PORT", value_parser = listen_address)]
+    #[arg(long, value_name = "HOST:PORT", value_parser = super::listen_address)]
     metrics_listen: Option<String>,
 }
 
@@ -270,8 +270,4 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
         .into());
     }
     Ok(())
-}
-
-fn listen_address(text: &str) -> Result<String, String> {
-    crate::config::listen_address(text).map(|()| text.trim().to_string())
 }

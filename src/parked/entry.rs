@@ -204,7 +204,7 @@ fn release_order(body: &[u8], message_id: Option<&str>) -> Option<(i64, u16)> {
 }
 
 /// 64-bit FNV-1a: stable across runs and versions (unlike the std hasher).
-pub(super) fn fnv1a(bytes: &[u8]) -> u64 {
+fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
