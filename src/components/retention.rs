@@ -32,69 +32,83 @@ use crate::runtime::health::Busy;
 /// Batches one pass deletes at most per table; the next pass goes on.
 pub const BATCHES_PER_PASS: usize = 50;
 
-/// What a table holds, and so which `retention.*` key keeps it.
+/// A table lapse prunes, in the order they are pruned ([`TABLES`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Holds {
+pub enum Table {
     Timeline,
     Ledger,
     LatePayments,
 }
 
-/// One table lapse prunes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Table {
-    /// As in `lapse_retention.table_name` and the metric's `table` label.
-    pub name: &'static str,
-    holds: Holds,
-    /// Deletes one batch: `$1` the age in milliseconds, `$2` the batch size; returns
-    /// the deleted rows' count as `pruned`.
-    sql: &'static str,
-}
-
 /// The three tables, in the order they are pruned.
-pub const TABLES: [Table; 3] = [
-    Table {
-        name: m::RETENTION_TABLES[0],
-        holds: Holds::Timeline,
-        sql: "WITH gone AS (
-                  DELETE FROM order_events
-                   WHERE ctid = ANY (ARRAY(
-                         SELECT e.ctid FROM order_events e
-                          WHERE e.at < now() - $1::bigint * interval '1 millisecond'
-                            AND NOT EXISTS (
-                                SELECT 1 FROM orders o
-                                 WHERE o.id = e.order_id
-                                   AND (o.status = 'UNPAID'
-                                        OR (o.status = 'CLOSED' AND o.released_at IS NULL)))
-                          ORDER BY e.at
-                          LIMIT $2))
-                  RETURNING 1)
-              SELECT count(*) AS pruned FROM gone",
-    },
-    Table {
-        name: m::RETENTION_TABLES[1],
-        holds: Holds::Ledger,
-        sql: "WITH gone AS (
-                  DELETE FROM stock_ledger
-                   WHERE ctid = ANY (ARRAY(
-                         SELECT l.ctid FROM stock_ledger l
-                           JOIN orders o ON o.id = l.order_id
-                          WHERE l.at < now() - $1::bigint * interval '1 millisecond'
-                            AND (o.status = 'PAID'
-                                 OR (o.status = 'CLOSED' AND o.released_at IS NOT NULL))
-                          ORDER BY l.at
-                          LIMIT $2))
-                  RETURNING 1)
-              SELECT count(*) AS pruned FROM gone",
-    },
-    Table {
-        name: m::RETENTION_TABLES[2],
-        holds: Holds::LatePayments,
-        // Two statements of its own ([`prune_late_payments`]): the orders are locked
-        // first, as `lapse_pay_order` locks them.
-        sql: "",
-    },
-];
+pub const TABLES: [Table; 3] = [Table::Timeline, Table::Ledger, Table::LatePayments];
+
+/// Deletes one batch of timeline events: `$1` the age in milliseconds, `$2` the batch
+/// size; returns the deleted rows' count as `pruned`.
+const TIMELINE_SQL: &str = "WITH gone AS (
+        DELETE FROM order_events
+         WHERE ctid = ANY (ARRAY(
+               SELECT e.ctid FROM order_events e
+                WHERE e.at < now() - $1::bigint * interval '1 millisecond'
+                  AND NOT EXISTS (
+                      SELECT 1 FROM orders o
+                       WHERE o.id = e.order_id
+                         AND (o.status = 'UNPAID'
+                              OR (o.status = 'CLOSED' AND o.released_at IS NULL)))
+                ORDER BY e.at
+                LIMIT $2))
+        RETURNING 1)
+    SELECT count(*) AS pruned FROM gone";
+
+/// The same for ledger rows.
+const LEDGER_SQL: &str = "WITH gone AS (
+        DELETE FROM stock_ledger
+         WHERE ctid = ANY (ARRAY(
+               SELECT l.ctid FROM stock_ledger l
+                 JOIN orders o ON o.id = l.order_id
+                WHERE l.at < now() - $1::bigint * interval '1 millisecond'
+                  AND (o.status = 'PAID'
+                       OR (o.status = 'CLOSED' AND o.released_at IS NOT NULL))
+                ORDER BY l.at
+                LIMIT $2))
+        RETURNING 1)
+    SELECT count(*) AS pruned FROM gone";
+
+impl Table {
+    /// As in `lapse_retention.table_name` and the metric's `table` label.
+    pub fn name(self) -> &'static str {
+        m::RETENTION_TABLES[self as usize]
+    }
+
+    /// How long `config` keeps this table's rows.
+    fn keep(self, config: &RetentionConfig) -> Keep {
+        match self {
+            Table::Timeline => config.timeline,
+            Table::Ledger => config.ledger,
+            Table::LatePayments => config.late_payments,
+        }
+    }
+
+    /// Deletes one batch in `tx`; returns how many rows went.
+    async fn prune(
+        self,
+        tx: &tokio_postgres::Transaction<'_>,
+        age_ms: i64,
+        batch: i64,
+    ) -> Result<i64, DbError> {
+        let sql = match self {
+            Table::Timeline => TIMELINE_SQL,
+            Table::Ledger => LEDGER_SQL,
+            // Two statements of its own: the orders are locked first, as
+            // `lapse_pay_order` locks them.
+            Table::LatePayments => return prune_late_payments(tx, age_ms, batch).await,
+        };
+        let row = tx
+            .query_typed_one(sql, &[(&age_ms, Type::INT8), (&batch, Type::INT8)])
+            .await?;
+        column(&row, "pruned")
+    }
+}
 
 /// Rows one pass deleted, per table (in [`TABLES`] order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -102,14 +116,6 @@ pub struct RetentionReport {
     pub pruned: [i64; 3],
     /// The lease was lost part-way: the pass stopped there.
     pub lost_lead: bool,
-}
-
-fn keep(config: &RetentionConfig, table: &Table) -> Keep {
-    match table.holds {
-        Holds::Timeline => config.timeline,
-        Holds::Ledger => config.ledger,
-        Holds::LatePayments => config.late_payments,
-    }
 }
 
 /// One pass over every table, as the leader holding `lease`.
@@ -125,7 +131,7 @@ pub async fn run_pass(
 ) -> Result<RetentionReport, DbError> {
     let mut report = RetentionReport::default();
     for (index, table) in TABLES.iter().enumerate() {
-        let Some(age_ms) = keep(config, table).millis() else {
+        let Some(age_ms) = table.keep(config).millis() else {
             continue;
         };
         for _ in 0..BATCHES_PER_PASS {
@@ -137,18 +143,7 @@ pub async fn run_pass(
                 report.lost_lead = true;
                 return Ok(report);
             }
-            let pruned = match table.holds {
-                Holds::LatePayments => prune_late_payments(&tx, age_ms, config.batch_size).await?,
-                Holds::Timeline | Holds::Ledger => {
-                    let row = tx
-                        .query_typed_one(
-                            table.sql,
-                            &[(&age_ms, Type::INT8), (&config.batch_size, Type::INT8)],
-                        )
-                        .await?;
-                    column(&row, "pruned")?
-                }
-            };
+            let pruned = table.prune(&tx, age_ms, config.batch_size).await?;
             if pruned > 0 {
                 tx.execute_typed(
                     "INSERT INTO lapse_retention AS r (table_name, pruned, last_pruned_at)
@@ -156,13 +151,13 @@ pub async fn run_pass(
                      ON CONFLICT (table_name) DO UPDATE
                         SET pruned = r.pruned + EXCLUDED.pruned,
                             last_pruned_at = EXCLUDED.last_pruned_at",
-                    &[(&table.name, Type::TEXT), (&pruned, Type::INT8)],
+                    &[(&table.name(), Type::TEXT), (&pruned, Type::INT8)],
                 )
                 .await?;
             }
             tx.commit().await?;
             report.pruned[index] += pruned;
-            metrics::counter!(m::RETENTION_PRUNED, "table" => table.name)
+            metrics::counter!(m::RETENTION_PRUNED, "table" => table.name())
                 .increment(u64::try_from(pruned).unwrap_or(0));
             if pruned < config.batch_size {
                 break;

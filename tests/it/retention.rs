@@ -21,6 +21,19 @@ async fn of(db: &tokio_postgres::Client, table: &str, column: &str, id: OrderId)
     .await
 }
 
+/// The sweeper of `env`'s database (its leader prunes), with `retention`.
+fn sweeper(env: &TestEnv, retention: RetentionConfig) -> Sweeper {
+    let config = env.config();
+    Sweeper {
+        retention,
+        pool: lapse::db::pool(&config.database, 2).unwrap(),
+        stats: lapse::observe::stats::Stats::default(),
+        config: config.sweeper.clone(),
+        limiter: lapse::runtime::rate::RateLimiter::new(0),
+        lock_timeout: Duration::from_secs(5),
+    }
+}
+
 async fn available(db: &tokio_postgres::Client) -> i64 {
     count(db, "SELECT available FROM stock WHERE sku = 'kept'").await
 }
@@ -62,18 +75,13 @@ async fn old_rows_of_finished_orders_go_in_batches_and_nothing_open_or_unapplied
     let ledger_before = count(&db, "SELECT count(*) FROM stock_ledger").await;
     let stock_before = available(&db).await;
 
-    let config = env.config();
-    let sweeper = Sweeper {
-        retention: RetentionConfig {
+    let sweeper = sweeper(
+        &env,
+        RetentionConfig {
             batch_size: 2, // several batches per table
             ..RetentionConfig::default()
         },
-        pool: lapse::db::pool(&config.database, 2).unwrap(),
-        stats: lapse::observe::stats::Stats::default(),
-        config: config.sweeper.clone(),
-        limiter: lapse::runtime::rate::RateLimiter::new(0),
-        lock_timeout: Duration::from_secs(5),
-    };
+    );
     let report = sweeper.run_once().await.unwrap();
     assert!(report.leader, "{report:?}");
 
@@ -161,18 +169,13 @@ async fn a_table_kept_forever_is_not_pruned() {
     )
     .await
     .unwrap();
-    let config = env.config();
-    let sweeper = Sweeper {
-        retention: RetentionConfig {
+    let sweeper = sweeper(
+        &env,
+        RetentionConfig {
             timeline: lapse::config::Keep::Forever,
             ..RetentionConfig::default()
         },
-        pool: lapse::db::pool(&config.database, 2).unwrap(),
-        stats: lapse::observe::stats::Stats::default(),
-        config: config.sweeper.clone(),
-        limiter: lapse::runtime::rate::RateLimiter::new(0),
-        lock_timeout: Duration::from_secs(5),
-    };
+    );
     let report = sweeper.run_once().await.unwrap();
     assert_eq!(report.pruned[0], 0, "{report:?}");
     assert!(of(&db, "order_events", "order_id", paid).await > 0);
@@ -202,15 +205,7 @@ async fn a_legacy_order_s_late_payment_is_left_alone_and_the_sweep_goes_on() {
     )
     .await
     .unwrap();
-    let config = env.config();
-    let sweeper = Sweeper {
-        retention: RetentionConfig::default(),
-        pool: lapse::db::pool(&config.database, 2).unwrap(),
-        stats: lapse::observe::stats::Stats::default(),
-        config: config.sweeper.clone(),
-        limiter: lapse::runtime::rate::RateLimiter::new(0),
-        lock_timeout: Duration::from_secs(5),
-    };
+    let sweeper = sweeper(&env, RetentionConfig::default());
     let report = sweeper.run_once().await.expect("the sweep does not fail");
     assert_eq!(report.pruned[2], 1, "{report:?}");
     assert_eq!(of(&db, "late_payments", "order_id", OrderId(9001)).await, 1);
