@@ -49,6 +49,46 @@ impl Selection {
     /// The rows' filter as SQL over `$1` (ids), `$2` (all), `$3` (reason).
     const SQL: &'static str = "(id = ANY($1) OR $2
         OR ($3::text IS NOT NULL AND (strpos(lower(reason), lower($3)) > 0 OR lower(cause) = lower($3))))";
+
+    /// Every row.
+    fn all() -> Self {
+        Self {
+            all: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// A row that no replay holds now.
+const UNCLAIMED: &str = "(claimed_until IS NULL OR claimed_until < clock_timestamp())";
+
+/// The rows of `prefix` that `selection` picks and `rest` says more about: `rest` is
+/// SQL after the filter (conditions, order, limit, locks) over `$5` and on, which
+/// `more` binds.
+async fn selected(
+    db: &impl tokio_postgres::GenericClient,
+    prefix: &str,
+    selection: &Selection,
+    rest: &str,
+    more: &[(&(dyn tokio_postgres::types::ToSql + Sync), Type)],
+) -> Result<Vec<Row>, DbError> {
+    let mut params: Vec<(&(dyn tokio_postgres::types::ToSql + Sync), Type)> = vec![
+        (&selection.ids, Type::TEXT_ARRAY),
+        (&selection.all, Type::BOOL),
+        (&selection.reason, Type::TEXT),
+        (&prefix, Type::TEXT),
+    ];
+    params.extend_from_slice(more);
+    let rows = db
+        .query_typed(
+            &format!(
+                "SELECT {COLUMNS} FROM lapse_parked WHERE prefix = $4 AND {} {rest}",
+                Selection::SQL
+            ),
+            &params,
+        )
+        .await?;
+    rows.iter().map(row).collect()
 }
 
 fn from_word<T: serde::de::DeserializeOwned>(text: String) -> Option<T> {
@@ -105,36 +145,18 @@ pub async fn page(
 ) -> Result<(Vec<Row>, bool), DbError> {
     let mut client = pool.get().await?;
     let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
-    let filter = if selection.is_some() {
-        Selection::SQL
-    } else {
-        "true"
-    };
-    let sel = selection.cloned().unwrap_or_default();
-    let rows = tx
-        .query_typed(
-            &format!(
-                "SELECT {COLUMNS} FROM lapse_parked
-                  WHERE prefix = $6 AND seq > $4 AND {filter}
-                  ORDER BY seq LIMIT $5"
-            ),
-            &[
-                (&sel.ids, Type::TEXT_ARRAY),
-                (&sel.all, Type::BOOL),
-                (&sel.reason, Type::TEXT),
-                (&after, Type::INT8),
-                (&limit.saturating_add(1), Type::INT8),
-                (&prefix, Type::TEXT),
-            ],
-        )
-        .await?;
+    let selection = selection.cloned().unwrap_or_else(Selection::all);
+    let mut rows = selected(
+        &tx,
+        prefix,
+        &selection,
+        "AND seq > $5 ORDER BY seq LIMIT $6",
+        &[(&after, Type::INT8), (&limit.saturating_add(1), Type::INT8)],
+    )
+    .await?;
     tx.commit().await?;
     let more = i64::try_from(rows.len()).unwrap_or(i64::MAX) > limit;
-    let rows = rows
-        .iter()
-        .take(usize::try_from(limit).unwrap_or(usize::MAX))
-        .map(row)
-        .collect::<Result<Vec<_>, _>>()?;
+    rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
     Ok((rows, more))
 }
 
@@ -198,23 +220,14 @@ pub async fn select_for_update(
     prefix: &str,
     selection: &Selection,
 ) -> Result<Vec<Row>, DbError> {
-    let rows = tx
-        .query_typed(
-            &format!(
-                "SELECT {COLUMNS} FROM lapse_parked WHERE prefix = $4 AND {}
-                    AND (claimed_until IS NULL OR claimed_until < clock_timestamp())
-                  ORDER BY seq FOR UPDATE SKIP LOCKED",
-                Selection::SQL
-            ),
-            &[
-                (&selection.ids, Type::TEXT_ARRAY),
-                (&selection.all, Type::BOOL),
-                (&selection.reason, Type::TEXT),
-                (&prefix, Type::TEXT),
-            ],
-        )
-        .await?;
-    rows.iter().map(row).collect()
+    selected(
+        tx,
+        prefix,
+        selection,
+        &format!("AND {UNCLAIMED} ORDER BY seq FOR UPDATE SKIP LOCKED"),
+        &[],
+    )
+    .await
 }
 
 /// Deletes rows by `seq`.
@@ -259,26 +272,16 @@ pub async fn held(
 ) -> Result<Vec<Row>, DbError> {
     let mut client = pool.get().await?;
     let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
-    let rows = tx
-        .query_typed(
-            &format!(
-                "SELECT {COLUMNS} FROM lapse_parked
-                  WHERE prefix = $4 AND seq <= $5 AND {}
-                    AND claimed_until >= clock_timestamp()
-                  ORDER BY seq",
-                Selection::SQL
-            ),
-            &[
-                (&selection.ids, Type::TEXT_ARRAY),
-                (&selection.all, Type::BOOL),
-                (&selection.reason, Type::TEXT),
-                (&prefix, Type::TEXT),
-                (&upto, Type::INT8),
-            ],
-        )
-        .await?;
+    let rows = selected(
+        &tx,
+        prefix,
+        selection,
+        "AND seq <= $5 AND claimed_until >= clock_timestamp() ORDER BY seq",
+        &[(&upto, Type::INT8)],
+    )
+    .await?;
     tx.commit().await?;
-    rows.iter().map(row).collect()
+    Ok(rows)
 }
 
 /// A replay's claim: its token and how long it lasts.
@@ -312,27 +315,16 @@ pub async fn claim(
 ) -> Result<Vec<Row>, DbError> {
     let mut client = pool.get().await?;
     let tx = crate::db::begin_short(&mut client, pool.limits(), None).await?;
-    let rows = tx
-        .query_typed(
-            &format!(
-                "SELECT {COLUMNS} FROM lapse_parked
-                  WHERE prefix = $4 AND seq > $5 AND seq <= $7 AND {}
-                    AND (claimed_until IS NULL OR claimed_until < clock_timestamp())
-                  ORDER BY seq LIMIT $6 FOR UPDATE SKIP LOCKED",
-                Selection::SQL
-            ),
-            &[
-                (&selection.ids, Type::TEXT_ARRAY),
-                (&selection.all, Type::BOOL),
-                (&selection.reason, Type::TEXT),
-                (&prefix, Type::TEXT),
-                (&after, Type::INT8),
-                (&limit, Type::INT8),
-                (&upto, Type::INT8),
-            ],
-        )
-        .await?;
-    let rows = rows.iter().map(row).collect::<Result<Vec<_>, _>>()?;
+    let rows = selected(
+        &tx,
+        prefix,
+        selection,
+        &format!(
+            "AND seq > $5 AND seq <= $6 AND {UNCLAIMED} ORDER BY seq LIMIT $7 FOR UPDATE SKIP LOCKED"
+        ),
+        &[(&after, Type::INT8), (&upto, Type::INT8), (&limit, Type::INT8)],
+    )
+    .await?;
     if !dry_run && !rows.is_empty() {
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
         let ms = i64::try_from(claim.lasts.as_millis()).unwrap_or(i64::MAX);
