@@ -80,6 +80,12 @@ async fn two_thousand_orders_close_never_early_and_exactly_once() {
     )
     .await;
     assert_eq!(closed_twice, 0, "an order was closed twice");
+    // The worker counts a batch's closes after its commit: the database can show the
+    // last one closed a moment before the count does. Wait for it; more would be wrong.
+    eventually(Duration::from_secs(10), "every close counted", || async {
+        (worker.stats.get(Outcome::Closed) >= 2000).then_some(())
+    })
+    .await;
     assert_eq!(worker.stats.get(Outcome::Closed), 2000);
     // Every closed order's stock comes back once.
     wait_released(&db, 4000).await;
