@@ -19,6 +19,8 @@
 //! - [`message`]: the timeout message, its encoding and its next route.
 //! - [`orders`]: create / extend / pay / show an order (Rust API over the SQL functions).
 //! - [`close`]: the one guarded close path, shared by the consumer and the sweeper.
+//! - [`kinds`]: deadline kinds over the shop's own tables: their check against the
+//!   live database and the fire path (a kind's action in a savepoint, its event).
 //! - [`timeline`]: the one writer of hop events on an order's timeline.
 //! - [`db`]: the order store: PostgreSQL pools (one per shard with `database.shards`), database
 //!   creation, migrations (`migrations/`) of every shard.
@@ -77,6 +79,7 @@ pub mod config;
 pub mod db;
 pub mod deadline;
 pub mod demo;
+pub mod kinds;
 pub mod message;
 pub mod names;
 pub mod observe;

@@ -14,6 +14,10 @@ use crate::names::{DUE_ROUTING_KEY, Names};
 use crate::tier::{NextHop, Tier, TierSet};
 
 pub const MESSAGE_VERSION: u32 = 1;
+/// The version of a timeout for a deadline of a kind (`kind`, `key`; `order_id` is the
+/// deadline's id in `lapse.deadlines`). A worker older than kinds parks it as an
+/// unknown version instead of reading it as an order.
+pub const KIND_MESSAGE_VERSION: u32 = 2;
 /// Header set on messages the worker parks.
 pub const PARK_REASON_HEADER: &str = "x-lapse-park-reason";
 /// One word for why (`undecodable`, `unknown_shard`, `database_unavailable`, ...): what
@@ -41,6 +45,12 @@ pub struct TimeoutMessage {
     /// messages are what they always were.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub shard: u16,
+    /// The deadline's kind (version 2 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The deadline's key in its kind, as text (version 2 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 fn is_zero(shard: &u16) -> bool {
@@ -52,7 +62,9 @@ fn is_zero(shard: &u16) -> bool {
 pub enum DecodeError {
     #[error("body is not a JSON timeout message: {0}")]
     Malformed(String),
-    #[error("unknown message version {0} (this worker understands {MESSAGE_VERSION})")]
+    #[error(
+        "unknown message version {0} (this worker understands {MESSAGE_VERSION} and {KIND_MESSAGE_VERSION})"
+    )]
     UnknownVersion(u64),
 }
 
@@ -71,7 +83,30 @@ impl TimeoutMessage {
             attempt: 0,
             hops: 0,
             shard: 0,
+            kind: None,
+            key: None,
         }
+    }
+
+    /// A timeout for the deadline `id` of `kind` and `key` (version 2).
+    pub fn for_deadline(
+        id: i64,
+        kind: &str,
+        key: &str,
+        expire_at: DateTime<Utc>,
+        version: i32,
+    ) -> Self {
+        Self {
+            v: KIND_MESSAGE_VERSION,
+            kind: Some(kind.to_string()),
+            key: Some(key.to_string()),
+            ..Self::new(id, expire_at, version)
+        }
+    }
+
+    /// The kind and key of a deadline's timeout; `None` for an order's.
+    pub fn deadline(&self) -> Option<(&str, &str)> {
+        Some((self.kind.as_deref()?, self.key.as_deref()?))
     }
 
     /// The same timeout, for an order of `shard`.
@@ -83,10 +118,23 @@ impl TimeoutMessage {
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let version: VersionOnly =
             serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        if version.v != u64::from(MESSAGE_VERSION) {
+        if version.v != u64::from(MESSAGE_VERSION) && version.v != u64::from(KIND_MESSAGE_VERSION) {
             return Err(DecodeError::UnknownVersion(version.v));
         }
-        serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))
+        let m: Self =
+            serde_json::from_slice(body).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        let is_deadline = m.v == KIND_MESSAGE_VERSION;
+        if is_deadline != m.deadline().is_some()
+            || is_deadline != m.kind.is_some()
+            || is_deadline != m.key.is_some()
+        {
+            return Err(DecodeError::Malformed(format!(
+                "a version {} timeout {} kind and key",
+                m.v,
+                if is_deadline { "needs both" } else { "has no" }
+            )));
+        }
+        Ok(m)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -96,6 +144,12 @@ impl TimeoutMessage {
     /// Stable per (shard, order, deadline version): duplicates share it. Shard 0 is
     /// not named (a single database's ids are what they always were).
     pub fn message_id(&self) -> String {
+        if self.deadline().is_some() {
+            return match self.shard {
+                0 => format!("deadline-{}-v{}", self.order_id, self.deadline_version),
+                s => format!("s{s}-deadline-{}-v{}", self.order_id, self.deadline_version),
+            };
+        }
         match self.shard {
             0 => format!("order-{}-v{}", self.order_id, self.deadline_version),
             s => format!("s{s}-order-{}-v{}", self.order_id, self.deadline_version),
@@ -274,6 +328,27 @@ mod tests {
     }
 
     #[test]
+    fn a_deadline_timeout_is_version_2_with_kind_and_key() {
+        let at = DateTime::parse_from_rfc3339("2026-12-02T10:15:00.123Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let m = TimeoutMessage::for_deadline(9, "auto_confirm", "SO-1", at, 2).in_shard(1);
+        let body = m.encode();
+        assert_eq!(TimeoutMessage::decode(&body).unwrap(), m);
+        assert_eq!(m.deadline(), Some(("auto_confirm", "SO-1")));
+        assert_eq!(m.message_id(), "s1-deadline-9-v2");
+        for half in [
+            br#"{"v":2,"order_id":1,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":1,"kind":"a"}"#.as_slice(),
+            br#"{"v":1,"order_id":1,"expire_at":"2026-12-02T10:15:00.123Z","deadline_version":1,"kind":"a","key":"k"}"#,
+        ] {
+            assert!(matches!(
+                TimeoutMessage::decode(half),
+                Err(DecodeError::Malformed(_))
+            ));
+        }
+    }
+
+    #[test]
     fn shard_zero_is_left_out_and_an_absent_shard_is_zero() {
         let at = DateTime::parse_from_rfc3339("2026-12-02T10:15:00.123Z")
             .unwrap()
@@ -307,8 +382,8 @@ mod tests {
             Err(DecodeError::Malformed(_))
         ));
         assert_eq!(
-            TimeoutMessage::decode(br#"{"v": 2, "order_id": 1}"#),
-            Err(DecodeError::UnknownVersion(2))
+            TimeoutMessage::decode(br#"{"v": 3, "order_id": 1}"#),
+            Err(DecodeError::UnknownVersion(3))
         );
         assert!(matches!(
             TimeoutMessage::decode(br#"{"v": 1, "order_id": "x"}"#),

@@ -47,6 +47,11 @@ impl TierCheck {
         }
     }
 
+    /// How long each question waits for the broker.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The tiers among `tiers` whose wait queue does not exist. An error (the
     /// connection is lost or does not answer in time) means the answer is unknown.
     pub async fn missing(

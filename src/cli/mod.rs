@@ -11,6 +11,7 @@ mod completions;
 mod demo;
 mod failure;
 pub mod help;
+mod kinds;
 mod migrate;
 mod order;
 mod parked;
@@ -139,6 +140,11 @@ pub enum Command {
         #[command(subcommand)]
         action: parked::ParkedCommand,
     },
+    /// Check the deadline kinds of `[kinds]` against the order databases.
+    Kinds {
+        #[command(subcommand)]
+        action: kinds::KindsCommand,
+    },
     /// Ask a running worker whether it is live (or ready): exit 0 if so, for a
     /// container HEALTHCHECK or a supervisor.
     #[command(after_help = help::after(
@@ -228,6 +234,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitStatus> {
         Command::Status(args) => status::run(&config, args).await,
         Command::Completions(args) => completions::run(&args),
         Command::Parked { action } => parked::run(&config, action).await,
+        Command::Kinds { action } => kinds::run(&config, action).await,
         Command::Probe(args) => probe::run(&config, args).await,
         Command::Bench(args) => bench::run(&config, cli.config.clone(), args).await,
     }

@@ -149,13 +149,37 @@ impl Relay {
         } else {
             self.tier_check.missing(conn, tiers).await?
         };
-        let mut later = Later::default();
-        let (no_queue, ready): (Vec<&RowPublish>, Vec<&RowPublish>) = outgoing
+        let exchanges: BTreeSet<&str> = outgoing
             .iter()
-            .partition(|o| o.tier.is_some_and(|t| missing.contains(&t)));
-        for o in no_queue {
-            let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
-            later.add(o, &BrokerError::MissingTier { queue });
+            .filter_map(|o| o.shop_exchange.as_deref())
+            .collect();
+        let mut no_exchange = BTreeSet::new();
+        for exchange in exchanges {
+            let after = self.tier_check.timeout();
+            if !broker::exchange_exists_within(conn, exchange, after).await? {
+                no_exchange.insert(exchange.to_string());
+            }
+        }
+        let mut later = Later::default();
+        let (held, ready): (Vec<&RowPublish>, Vec<&RowPublish>) = outgoing.iter().partition(|o| {
+            o.tier.is_some_and(|t| missing.contains(&t))
+                || o.shop_exchange
+                    .as_ref()
+                    .is_some_and(|e| no_exchange.contains(e))
+        });
+        for o in held {
+            match &o.shop_exchange {
+                Some(exchange) => later.add(
+                    o,
+                    &BrokerError::MissingExchange {
+                        exchange: exchange.clone(),
+                    },
+                ),
+                None => {
+                    let queue = o.tier.map(|t| self.names.wait_queue(t)).unwrap_or_default();
+                    later.add(o, &BrokerError::MissingTier { queue });
+                }
+            }
         }
         let messages = ready.iter().map(|o| o.message.clone()).collect();
         let results = publisher.publish_all(messages).await;
@@ -335,7 +359,9 @@ impl Later {
             .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
         self.errors.push(error.to_string());
         match error {
-            BrokerError::Unroutable { .. } | BrokerError::MissingTier { .. } => self.returned += 1,
+            BrokerError::Unroutable { .. }
+            | BrokerError::MissingTier { .. }
+            | BrokerError::MissingExchange { .. } => self.returned += 1,
             _ => self.refused += 1,
         }
     }

@@ -37,6 +37,7 @@ impl ConfigError {
 
 pub use crate::redact::Secret;
 pub use addresses::{join_addresses, split_addresses};
+pub use kinds::{EventConfig, KeyType, KindConfig, Kinds};
 pub use load::{BENCH_WORKER_LOG_VAR, CONFIG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
 pub use retention::{Keep, RetentionConfig};
@@ -54,6 +55,9 @@ pub struct Config {
     pub orders: OrdersConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
+    /// The kinds of deadline fired over the shop's own tables (docs/adopting.md).
+    #[serde(default)]
+    pub kinds: Kinds,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -332,6 +336,7 @@ impl Default for Config {
                 deadline_horizon: Duration::from_secs(366 * 86_400),
             },
             retention: RetentionConfig::default(),
+            kinds: Kinds::new(),
         }
     }
 }
@@ -361,6 +366,7 @@ impl Config {
         positive("relay.batch_size", self.relay.batch_size.max(0) as u64)?;
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
         retention::validate(&self.retention)?;
+        kinds::validate(&self.kinds)?;
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(
                 "topology.quorum_group_size",
@@ -485,6 +491,7 @@ pub fn validate_prefix(prefix: &str) -> Result<(), ConfigError> {
 }
 
 mod addresses;
+pub mod kinds;
 mod load;
 mod moved;
 pub mod pg_tls;

@@ -374,6 +374,8 @@ pub struct Settings {
     pub deadline_horizon: Duration,
     /// `broker.prefix`: the list of order databases is recorded per prefix.
     pub prefix: String,
+    /// The kinds `lapse.schedule` accepts (`[kinds]`), recorded in `lapse.kinds`.
+    pub kinds: crate::kinds::Catalog,
 }
 
 impl Settings {
@@ -381,11 +383,12 @@ impl Settings {
         Self {
             deadline_horizon: config.orders.deadline_horizon,
             prefix: config.broker.prefix.clone(),
+            kinds: crate::kinds::Catalog::new(&config.kinds),
         }
     }
 }
 
-/// Writes `settings` into `lapse_settings`.
+/// Writes `settings` into `lapse_settings` and the kinds into `lapse.kinds`.
 pub async fn write_settings<C: tokio_postgres::GenericClient>(
     client: &C,
     settings: &Settings,
@@ -399,6 +402,7 @@ pub async fn write_settings<C: tokio_postgres::GenericClient>(
             &[(&horizon_ms, tokio_postgres::types::Type::INT8)],
         )
         .await?;
+    crate::kinds::check::register(client, &settings.kinds).await?;
     Ok(())
 }
 

@@ -62,6 +62,28 @@ impl Stopped {
     }
 }
 
+/// Refuses to start with a kind whose action does not check on a migrated order
+/// database (docs/adopting.md): the error names the kind and the key.
+async fn check_kinds(config: &Config, schemas: &db::Schemas) -> Result<(), ServiceError> {
+    let catalog = crate::kinds::Catalog::new(&config.kinds);
+    if catalog.is_empty() || !config.worker.consumer {
+        return Ok(());
+    }
+    for shard in config.database.shard_list() {
+        if !schemas.is_migrated(shard.index) {
+            continue;
+        }
+        if let Some(problem) = crate::kinds::check::first_problem(&shard.url, &catalog).await? {
+            return Err(crate::config::ConfigError {
+                key: format!("kinds.{}.{}", problem.kind, problem.field),
+                problem: problem.problem,
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
 impl Service {
     /// Starts every component the configuration enables, after the migrations of
     /// `worker.migrate_on_start` (a shard that does not answer is migrated in the
@@ -72,6 +94,7 @@ impl Service {
         token: CancellationToken,
     ) -> Result<Self, ServiceError> {
         let migrations = migrations::at_start(config, &token).await?;
+        check_kinds(config, &migrations.schemas).await?;
         let tiers = config.tier_file()?.tiers;
         // The worker's connections carry the AMQP heartbeat, so that the broker takes
         // back a frozen worker's deliveries.

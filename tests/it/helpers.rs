@@ -97,6 +97,7 @@ pub struct TestEnv {
     /// The fresh database of this test, when it asked for one.
     pub database: Option<String>,
     extra_queues: Vec<String>,
+    extra_exchanges: Vec<String>,
     extra_prefixes_cleaned: bool,
 }
 
@@ -115,6 +116,7 @@ impl TestEnv {
             management: Management::new(&Secret::new(management_url())).unwrap(),
             database: None,
             extra_queues: Vec::new(),
+            extra_exchanges: Vec::new(),
             extra_prefixes_cleaned: false,
         };
         env.write_tiers(tiers, "");
@@ -238,6 +240,11 @@ impl TestEnv {
         self.extra_queues.push(name.into());
     }
 
+    /// Registers an exchange the test declares itself, to be deleted at cleanup.
+    pub fn track_exchange(&mut self, name: impl Into<String>) {
+        self.extra_exchanges.push(name.into());
+    }
+
     /// Deletes every queue and exchange whose name starts with this prefix.
     pub async fn cleanup(mut self) {
         self.delete_everything().await;
@@ -266,7 +273,7 @@ impl TestEnv {
                     .await;
             }
         }
-        for e in self.topology_names().1 {
+        for e in self.topology_names().1.iter().chain(&self.extra_exchanges) {
             if let Ok(ch) = self.conn.create_channel().await {
                 let _ = ch
                     .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
@@ -308,6 +315,7 @@ impl Drop for TestEnv {
         // The test failed before cleanup: clean up on a thread with its own runtime.
         let prefix = self.prefix.clone();
         let queues = self.extra_queues.clone();
+        let exchanges = self.extra_exchanges.clone();
         let database = self.database.clone();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
@@ -323,6 +331,7 @@ impl Drop for TestEnv {
                     management: Management::new(&Secret::new(management_url())).unwrap(),
                     database,
                     extra_queues: queues,
+                    extra_exchanges: exchanges,
                     extra_prefixes_cleaned: true,
                 };
                 env.delete_everything().await;

@@ -138,6 +138,7 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
         &lapse::db::Settings {
             deadline_horizon: Duration::from_secs(86_400),
             prefix: "lapse".into(),
+            kinds: Default::default(),
         },
     )
     .await

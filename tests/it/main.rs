@@ -20,6 +20,7 @@ mod helpers;
 mod hostile_deadlines;
 mod hostile_rows;
 mod installed;
+mod kinds;
 mod leadership;
 mod legacy_rows;
 mod liveness;

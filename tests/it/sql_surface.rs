@@ -95,8 +95,8 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     let unpinned: Vec<String> = db
         .query(
             "SELECT p.oid::regprocedure::text AS f FROM pg_proc p
-              WHERE p.proname LIKE 'lapse\\_%'
-                AND p.pronamespace = 'public'::regnamespace
+              WHERE (p.proname LIKE 'lapse\\_%' AND p.pronamespace = 'public'::regnamespace
+                     OR p.pronamespace = 'lapse'::regnamespace)
                 AND NOT coalesce(p.proconfig::text LIKE '%search_path=pg_catalog,%', false)",
             &[],
         )

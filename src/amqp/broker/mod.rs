@@ -22,8 +22,8 @@ mod queue;
 
 pub use publisher::{Outgoing, Publisher};
 pub use queue::{
-    QueueCounts, QueueState, close_channel_quietly, open_channel, open_channel_within,
-    passive_declare, queue_state, queue_state_within,
+    QueueCounts, QueueState, close_channel_quietly, exchange_exists_within, open_channel,
+    open_channel_within, passive_declare, queue_state, queue_state_within,
 };
 
 use crate::amqp::tls::{self, TlsFiles};
@@ -87,6 +87,10 @@ pub enum BrokerError {
         "unroutable: the wait queue `{queue}` does not exist, so a publish to its tier would land in parked; not published (`lapse topology apply` re-creates it)"
     )]
     MissingTier { queue: String },
+    #[error(
+        "the exchange `{exchange}` does not exist: the event waits in the outbox until the shop declares it"
+    )]
+    MissingExchange { exchange: String },
     #[error("the queue `{queue}` does not exist (`lapse topology apply` creates it)")]
     QueueNotFound { queue: String },
 }

@@ -83,6 +83,33 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<QueueState, B
     Ok(state)
 }
 
+/// Whether `exchange` exists: a passive declare on a channel of its own (a 404 closes
+/// only that channel), waiting at most `after` for each reply.
+pub async fn exchange_exists_within(
+    conn: &Connection,
+    exchange: &str,
+    after: Duration,
+) -> Result<bool, BrokerError> {
+    let channel = open_channel_within(conn, after).await?;
+    let options = lapin::options::ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel.exchange_declare(
+        exchange.into(),
+        lapin::ExchangeKind::Direct,
+        options,
+        FieldTable::default(),
+    );
+    let exists = match super::replied(after, "exchange.declare", declared).await? {
+        Ok(()) => true,
+        Err(e) if not_found(&e) => false,
+        Err(e) => return Err(BrokerError::amqp("exchange.declare")(e)),
+    };
+    close_channel_quietly(&channel, "asked").await;
+    Ok(exists)
+}
+
 /// [`queue_state`] waiting at most `after` for each of the broker's replies
 /// ([`BrokerError::ReplyTimeout`] naming the step).
 pub async fn queue_state_within(

@@ -11,6 +11,8 @@ use chrono::{DateTime, Utc};
 use crate::close::{self, Candidate, CloseReason, Closed};
 use crate::db::{self, DbError, Pools};
 use crate::deadline;
+use crate::kinds::Catalog;
+use crate::kinds::fire::{self, DeadlineRow, Due, Verdict};
 use crate::message::{DecodeError, Route, TimeoutMessage};
 use crate::names::Names;
 use crate::observe::stats::Outcome;
@@ -62,6 +64,8 @@ pub struct Decider {
     pub lock_timeout: Duration,
     /// Cap on the hop-bounding slack of a re-delay (`relay.tier_tolerance`).
     pub tier_tolerance: Duration,
+    /// The deadline kinds this worker fires (`[kinds]`).
+    pub kinds: Catalog,
 }
 
 /// An order as the decision sees it. `expire_at` is an error (the reason) when the
@@ -111,6 +115,10 @@ struct Snapshot {
     closed: Vec<Closed>,
     /// Due orders the close skipped because their row was locked.
     locked: HashSet<i64>,
+    /// The deadlines of kinds the batch names, by id.
+    deadlines: HashMap<i64, Result<DeadlineRow, String>>,
+    /// What firing each due deadline did.
+    verdicts: HashMap<i64, Verdict>,
 }
 
 impl Decider {
@@ -126,7 +134,10 @@ impl Decider {
     ) -> (Vec<Action>, Vec<(u16, Closed)>) {
         let mut by_shard: BTreeMap<u16, Vec<&TimeoutMessage>> = BTreeMap::new();
         for m in messages.iter().filter_map(|m| m.as_ref().ok()) {
-            if self.pools.get(m.shard).is_some() {
+            let known_kind = m
+                .deadline()
+                .is_none_or(|(kind, _)| self.kinds.get(kind).is_some());
+            if known_kind && self.pools.get(m.shard).is_some() {
                 by_shard.entry(m.shard).or_default().push(m);
             }
         }
@@ -148,6 +159,12 @@ impl Decider {
             .iter()
             .map(|m| match m {
                 Err(e) => park(&e.to_string(), "undecodable"),
+                Ok(m)
+                    if m.deadline()
+                        .is_some_and(|(k, _)| self.kinds.get(k).is_none()) =>
+                {
+                    park(&unknown_kind(m), "unknown_kind")
+                }
                 Ok(m) => match snapshots.get(&m.shard) {
                     None => park(&self.unknown_shard(m.shard), "unknown_shard"),
                     Some(Ok(snap)) => {
@@ -161,6 +178,20 @@ impl Decider {
         for (shard, snapshot) in snapshots.drain() {
             if let Ok(s) = snapshot {
                 closed.extend(s.closed.into_iter().map(|c| (shard, c)));
+                closed.extend(s.verdicts.into_iter().filter_map(|(id, v)| match v {
+                    Verdict::Fired {
+                        expire_at,
+                        fired_at,
+                    } => Some((
+                        shard,
+                        Closed {
+                            order_id: id,
+                            expire_at,
+                            closed_at: fired_at,
+                        },
+                    )),
+                    _ => None,
+                }));
             }
         }
         (actions, closed)
@@ -179,6 +210,8 @@ impl Decider {
         shard: u16,
         messages: &[&TimeoutMessage],
     ) -> Result<Snapshot, DbError> {
+        let (deadlines, messages): (Vec<&TimeoutMessage>, Vec<&TimeoutMessage>) =
+            messages.iter().partition(|m| m.deadline().is_some());
         let ids: Vec<i64> = messages.iter().map(|m| m.order_id).collect();
         // A shard not migrated yet is away: nothing reads or closes on its old schema.
         let pool = self.pools.ready(shard)?;
@@ -212,13 +245,59 @@ impl Decider {
             })
             .collect();
         let report = close::close_due(&tx, &candidates, CloseReason::Timeout).await?;
+        let (deadlines, verdicts) = self.fire_due(&tx, &deadlines, db_now).await?;
         tx.commit().await?;
         Ok(Snapshot {
             db_now,
             orders,
             closed: report.closed,
             locked: report.locked.into_iter().collect(),
+            deadlines,
+            verdicts,
         })
+    }
+
+    /// Reads the deadlines of kinds `messages` name and fires those due, in `tx`.
+    async fn fire_due(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        messages: &[&TimeoutMessage],
+        db_now: DateTime<Utc>,
+    ) -> Result<
+        (
+            HashMap<i64, Result<DeadlineRow, String>>,
+            HashMap<i64, Verdict>,
+        ),
+        DbError,
+    > {
+        if messages.is_empty() {
+            return Ok(Default::default());
+        }
+        let ids: Vec<i64> = messages.iter().map(|m| m.order_id).collect();
+        let rows = fire::read(tx, &ids).await?;
+        let due: Vec<Due> = messages
+            .iter()
+            .filter(|m| {
+                rows.get(&m.order_id).is_some_and(|r| {
+                    r.as_ref().is_ok_and(|r| {
+                        r.state == "pending"
+                            && r.version == m.deadline_version
+                            && m.deadline().is_some_and(|(kind, _)| kind == r.kind)
+                            && r.expire_at.as_ref().is_ok_and(|t| *t <= db_now)
+                    })
+                })
+            })
+            .map(|m| Due {
+                id: m.order_id,
+                version: m.deadline_version,
+            })
+            .collect();
+        let verdicts = if due.is_empty() {
+            HashMap::new()
+        } else {
+            fire::fire(tx, &self.kinds, &rows, &due, self.lock_timeout).await?
+        };
+        Ok((rows, verdicts))
     }
 
     /// `closed_ids` holds the orders this batch closed not yet attributed to a
@@ -229,6 +308,9 @@ impl Decider {
         snap: &Snapshot,
         closed_ids: &mut HashSet<i64>,
     ) -> Action {
+        if m.deadline().is_some() {
+            return self.classify_deadline(m, snap, closed_ids);
+        }
         let order = match snap.orders.get(&m.order_id) {
             None => return Action::Ack(Outcome::Missing),
             Some(Err(reason)) => return park(reason, "bad_deadline"),
@@ -256,7 +338,68 @@ impl Decider {
                 Action::Ack(Outcome::Raced)
             };
         }
-        let remaining = (expire_at - snap.db_now).to_std().unwrap_or_default();
+        self.wait_more(m, expire_at, snap.db_now)
+    }
+
+    /// [`Decider::classify`] for the timeout of a kind's deadline: the same table, with
+    /// the deadline's state and the verdict of its action.
+    fn classify_deadline(
+        &self,
+        m: &TimeoutMessage,
+        snap: &Snapshot,
+        fired_ids: &mut HashSet<i64>,
+    ) -> Action {
+        let row = match snap.deadlines.get(&m.order_id) {
+            None => return Action::Ack(Outcome::Missing),
+            Some(Err(reason)) => return park(reason, "bad_deadline"),
+            Some(Ok(row)) => row,
+        };
+        if m.deadline().is_none_or(|(kind, _)| kind != row.kind) {
+            return park(
+                &format!(
+                    "the message names deadline {} of kind {:?}, but that deadline is of kind {:?}",
+                    m.order_id,
+                    m.kind.as_deref().unwrap_or_default(),
+                    row.kind
+                ),
+                "bad_deadline",
+            );
+        }
+        if row.version != m.deadline_version {
+            return Action::Ack(Outcome::Stale);
+        }
+        if row.state != "pending" {
+            return Action::Ack(Outcome::Settled);
+        }
+        let expire_at = match &row.expire_at {
+            Ok(t) => *t,
+            Err(reason) => return park(reason, "bad_deadline"),
+        };
+        if expire_at > snap.db_now {
+            return self.wait_more(m, expire_at, snap.db_now);
+        }
+        match snap.verdicts.get(&m.order_id) {
+            Some(Verdict::Fired { .. }) if fired_ids.insert(m.order_id) => {
+                Action::Ack(Outcome::Closed)
+            }
+            Some(Verdict::Nothing) if fired_ids.insert(m.order_id) => Action::Ack(Outcome::Raced),
+            Some(Verdict::Fired { .. } | Verdict::Nothing) => Action::Ack(Outcome::Settled),
+            Some(Verdict::Locked) => Action::Locked(self.lock_retry),
+            Some(Verdict::Park(reason)) => park(reason, "action_failed"),
+            // Pending and due at the read, gone when locked: settled meanwhile.
+            None => Action::Ack(Outcome::Settled),
+        }
+    }
+
+    /// Not due yet: re-delay to the tier that fits, or hold a remainder shorter than
+    /// the smallest tier.
+    fn wait_more(
+        &self,
+        m: &TimeoutMessage,
+        expire_at: DateTime<Utc>,
+        db_now: DateTime<Utc>,
+    ) -> Action {
+        let remaining = (expire_at - db_now).to_std().unwrap_or_default();
         // A re-delay goes out right after the clock was read: no slack for its own
         // lag, only the hop-bounding slack where the hop bound needs it (see
         // TierSet::planned_hop).
@@ -317,6 +460,14 @@ impl Decider {
             .last()
             .unwrap_or(self.tiers.smallest())
     }
+}
+
+fn unknown_kind(m: &TimeoutMessage) -> String {
+    format!(
+        "the deadline's kind {:?} is not under [kinds] of this worker's configuration (taken out \
+         while its deadlines were in flight?): replay it once the kind is back",
+        m.kind.as_deref().unwrap_or_default()
+    )
 }
 
 /// A delivery whose order cannot be decided: parked with the reason, counted.

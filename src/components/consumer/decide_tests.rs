@@ -26,6 +26,7 @@ fn decider() -> Decider {
         retry_backoff: Duration::from_millis(500),
         lock_retry: Duration::from_millis(500),
         lock_timeout: Duration::from_secs(5),
+        kinds: Default::default(),
         tier_tolerance: Duration::from_millis(50),
     }
 }
@@ -42,6 +43,7 @@ fn snapshot(row: Result<OrderRow, String>) -> Snapshot {
         orders: HashMap::from([(7, row)]),
         closed: Vec::new(),
         locked: HashSet::new(),
+        ..Default::default()
     }
 }
 
@@ -289,6 +291,7 @@ fn the_decision_table() {
             orders: order.map(|o| (7, Ok(o))).into_iter().collect(),
             closed: Vec::new(),
             locked: HashSet::new(),
+            ..Default::default()
         };
         let mut closed_ids = HashSet::new();
         match close {
@@ -330,6 +333,7 @@ fn the_decision_table() {
             closed_at: now(),
         }],
         locked: HashSet::new(),
+        ..Default::default()
     };
     let mut closed_ids = HashSet::from([7]);
     assert_eq!(shown(&d.classify(&m, &snap, &mut closed_ids)), "ack closed");
@@ -373,4 +377,57 @@ async fn an_undecodable_body_is_parked() {
     assert!(closed.is_empty());
     let shown: Vec<String> = actions.iter().map(shown).collect();
     assert_eq!(shown, ["park parked", "park parked"]);
+}
+
+#[test]
+fn a_kinds_deadline_follows_the_same_table_with_its_actions_verdict() {
+    use crate::kinds::fire::{DeadlineRow, Verdict};
+    let d = decider();
+    let due = now() - chrono::Duration::milliseconds(5);
+    let m = TimeoutMessage::for_deadline(7, "order_close", "SO-1", due, 2);
+    let row = |state: &str, version: i32, expire_at: DateTime<Utc>| DeadlineRow {
+        kind: "order_close".into(),
+        key: "SO-1".into(),
+        state: state.into(),
+        version,
+        expire_at: Ok(expire_at),
+    };
+    let decide = |row: Option<DeadlineRow>, verdict: Option<Verdict>| {
+        let snap = Snapshot {
+            db_now: now(),
+            deadlines: row.map(|r| (7, Ok(r))).into_iter().collect(),
+            verdicts: verdict.map(|v| (7, v)).into_iter().collect(),
+            ..Default::default()
+        };
+        shown(&d.classify(&m, &snap, &mut HashSet::new()))
+    };
+    let fired = Verdict::Fired {
+        expire_at: due,
+        fired_at: now(),
+    };
+    assert_eq!(decide(None, None), "ack missing");
+    assert_eq!(decide(Some(row("pending", 1, due)), None), "ack stale");
+    assert_eq!(decide(Some(row("fired", 2, due)), None), "ack settled");
+    assert_eq!(decide(Some(row("cancelled", 2, due)), None), "ack settled");
+    assert_eq!(
+        decide(Some(row("pending", 2, due)), Some(fired)),
+        "ack closed"
+    );
+    assert_eq!(
+        decide(Some(row("pending", 2, due)), Some(Verdict::Nothing)),
+        "ack raced"
+    );
+    assert!(decide(Some(row("pending", 2, due)), Some(Verdict::Locked)).starts_with("locked"));
+    assert!(
+        decide(
+            Some(row("pending", 2, due)),
+            Some(Verdict::Park("the action changed 3 rows".into()))
+        )
+        .starts_with("park parked")
+    );
+    let later = now() + chrono::Duration::milliseconds(400);
+    assert!(decide(Some(row("pending", 2, later)), None).starts_with("hold"));
+    let mut other_kind = row("pending", 2, due);
+    other_kind.kind = "auto_confirm".into();
+    assert!(decide(Some(other_kind), None).starts_with("park parked"));
 }

@@ -131,6 +131,7 @@ impl Consumer {
                 lock_retry: w.lock_retry,
                 lock_timeout: config.database.lock_timeout,
                 tier_tolerance: config.relay.tier_tolerance,
+                kinds: crate::kinds::Catalog::new(&config.kinds),
             },
             names,
             stats,

@@ -103,7 +103,9 @@ pub fn plan(action: Action, delivery: &Delivery, names: &Names, tiers: &Tiers) -
                     Tiers::Missing(_) => {}
                 }
             }
-            let hop = Hop::of(&message, route.tier.map(|t| t.name()), "worker");
+            // A kind's deadline has no order timeline to record its hops in.
+            let hop = (message.deadline().is_none())
+                .then(|| Hop::of(&message, route.tier.map(|t| t.name()), "worker"));
             Step::Publish(Box::new(Publish {
                 message: Outgoing::new(
                     route.exchange,
@@ -114,7 +116,7 @@ pub fn plan(action: Action, delivery: &Delivery, names: &Names, tiers: &Tiers) -
                 outcome,
                 reroute_after,
                 park: None,
-                hop: Some(hop),
+                hop,
             }))
         }
         Action::Park {

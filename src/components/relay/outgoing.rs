@@ -40,6 +40,9 @@ pub(super) struct RowPublish {
     /// How soon this row would be routed elsewhere (a timeout whose remaining time
     /// drops below its tier); `None` when its route does not change with time.
     pub reroute_after: Option<Duration>,
+    /// The shop's exchange an event goes to (checked before publishing: a publish to
+    /// an exchange that does not exist would close the relay's channel).
+    pub shop_exchange: Option<String>,
 }
 
 impl Relay {
@@ -117,6 +120,55 @@ impl Relay {
             attempts,
             tier: None,
             reroute_after: None,
+            shop_exchange: None,
+        }
+    }
+
+    /// A fired deadline's event (`{"exchange", "routing_key", "body"}` as the fire path
+    /// writes it) to the shop's exchange, mandatory: a queue the shop deleted returns
+    /// it and the row stays for a later try. Anything else is parked with the reason.
+    fn event(&self, outbox_id: i64, deadline_id: i64, payload: Value, attempts: u32) -> RowPublish {
+        let field = |name: &str| {
+            payload
+                .get(name)
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        };
+        let (Some(exchange), Some(routing_key), Some(body)) =
+            (field("exchange"), field("routing_key"), payload.get("body"))
+        else {
+            let reason = format!(
+                "relay: outbox row {outbox_id} is not an event (exchange, routing_key, body)"
+            );
+            return self.parked(
+                outbox_id,
+                deadline_id,
+                payload.to_string().as_bytes(),
+                &reason,
+                attempts,
+            );
+        };
+        let message_id = match (self.shard, body.get("version").and_then(Value::as_i64)) {
+            (0, Some(v)) => format!("event-{deadline_id}-v{v}"),
+            (s, Some(v)) => format!("s{s}-event-{deadline_id}-v{v}"),
+            (_, None) => format!("event-row-{outbox_id}"),
+        };
+        RowPublish {
+            outbox_id,
+            shop_exchange: Some(exchange.clone()),
+            message: Outgoing::new(
+                exchange,
+                routing_key,
+                body.to_string().into_bytes(),
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_content_type(ShortString::from("application/json"))
+                    .with_message_id(ShortString::from(message_id)),
+            ),
+            hop: None,
+            attempts,
+            tier: None,
+            reroute_after: None,
         }
     }
 
@@ -129,6 +181,9 @@ impl Relay {
             payload,
             attempts,
         } = row;
+        if kind == "event" {
+            return self.event(outbox_id, order_id, payload, attempts);
+        }
         if kind == "stock.release" {
             // The event names its shard the way a timeout does: not at all for shard 0.
             let (payload, message_id) = match (self.shard, payload) {
@@ -157,6 +212,7 @@ impl Relay {
                 attempts,
                 tier: None,
                 reroute_after: None,
+                shop_exchange: None,
             };
         }
         let body = payload.to_string().into_bytes();
@@ -172,7 +228,11 @@ impl Relay {
         let Value::Object(mut fields) = payload else {
             return not_an_intent("the payload is not a JSON object".into());
         };
-        fields.insert("v".into(), json!(crate::message::MESSAGE_VERSION));
+        let version = match kind.as_str() {
+            "deadline" => crate::message::KIND_MESSAGE_VERSION,
+            _ => crate::message::MESSAGE_VERSION,
+        };
+        fields.insert("v".into(), json!(version));
         match serde_json::from_value::<TimeoutMessage>(Value::Object(fields)) {
             Ok(message) => {
                 // The application's payload does not know its shard; this relay does.
@@ -187,10 +247,12 @@ impl Relay {
                 let reroute_after = route
                     .tier
                     .map(|t| (remaining + slack).saturating_sub(t.duration()));
-                let hop = Hop::of(&message, route.tier.map(|t| t.name()), "relay");
+                // A kind's deadline has no order timeline to record its hops in.
+                let hop = (message.deadline().is_none())
+                    .then(|| Hop::of(&message, route.tier.map(|t| t.name()), "relay"));
                 RowPublish {
                     outbox_id,
-                    hop: Some(hop),
+                    hop,
                     message: Outgoing::new(
                         route.exchange,
                         route.routing_key,
@@ -200,6 +262,7 @@ impl Relay {
                     attempts,
                     tier: route.tier,
                     reroute_after,
+                    shop_exchange: None,
                 }
             }
             // Rows written by lapse's functions always decode; anything else is kept.

@@ -1,0 +1,186 @@
+-- Deadlines over the shop's own tables (docs/adopting.md): kinds of deadline declared in
+-- the configuration, one row per (kind, key) in `lapse.deadlines`, and the SQL API a
+-- shop calls from its own transaction. Everything new lives in the schema `lapse`; the
+-- shop's tables are never created or changed by lapse.
+--
+-- SQLSTATEs raised here: LP001 invalid deadline (lapse_checked_deadline), LP002 not
+-- later (reschedule), LP004 unknown kind, LP005 key not of the kind's type, LP006
+-- already scheduled at another instant.
+
+CREATE SCHEMA IF NOT EXISTS lapse;
+
+-- The kinds the configuration declares, written by `lapse migrate` and a starting
+-- worker (kinds are only ever added or changed here, never deleted: a kind taken out
+-- of the configuration keeps its deadlines, which the worker parks as unknown_kind).
+CREATE TABLE lapse.kinds (
+    name     text PRIMARY KEY CHECK (name ~ '^[a-z][a-z0-9_]{0,62}$'),
+    key_type text NOT NULL CHECK (key_type IN ('text', 'bigint', 'uuid'))
+);
+
+-- One deadline per (kind, key): the key as text in its canonical form (a bigint
+-- without leading zeros, a lower-case uuid), the instant, and a version that every
+-- reschedule (and every re-arm after it fired or was cancelled) increases, so a
+-- message for an earlier version is stale.
+CREATE TABLE lapse.deadlines (
+    id          bigserial   PRIMARY KEY,
+    kind        text        NOT NULL REFERENCES lapse.kinds (name),
+    key         text        NOT NULL CHECK (length(key) BETWEEN 1 AND 200),
+    expire_at   timestamptz NOT NULL
+                CHECK (expire_at >= timestamptz '1970-01-01 00:00:00+00'
+                       AND expire_at < timestamptz '10000-01-01 00:00:00+00'),
+    version     integer     NOT NULL DEFAULT 1 CHECK (version >= 1),
+    state       text        NOT NULL DEFAULT 'pending'
+                CHECK (state IN ('pending', 'fired', 'cancelled')),
+    -- fired: the action changed its row; nothing: it changed none (already paid,
+    -- confirmed, closed by the shop); cancelled: lapse.cancel.
+    outcome     text        CHECK (outcome IN ('fired', 'nothing', 'cancelled')),
+    scheduled_at timestamptz NOT NULL DEFAULT now(),
+    settled_at  timestamptz,
+    -- Why the last attempt to fire did not (a statement error, too many rows).
+    last_error  text,
+    UNIQUE (kind, key),
+    CHECK ((state = 'pending') = (outcome IS NULL))
+);
+CREATE INDEX deadlines_pending_by_time ON lapse.deadlines (expire_at) WHERE state = 'pending';
+
+-- Deadline intents and the shop's events travel through the same outbox as timeouts.
+ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
+ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
+    CHECK (kind IN ('timeout', 'stock.release', 'deadline', 'event'));
+
+-- The key in canonical form, or LP004 (unknown kind) / LP005 (not of its type).
+CREATE FUNCTION lapse.checked_key(p_kind text, p_key text)
+RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_type text;
+BEGIN
+    SELECT key_type INTO v_type FROM lapse.kinds WHERE name = p_kind;
+    IF v_type IS NULL THEN
+        RAISE EXCEPTION 'unknown deadline kind %: declare it under [kinds] and run lapse migrate',
+            coalesce(quote_literal(p_kind), 'NULL') USING ERRCODE = 'LP004';
+    END IF;
+    IF p_key IS NULL OR p_key = '' THEN
+        RAISE EXCEPTION 'a deadline of kind % needs a key (got %)', p_kind,
+            coalesce(quote_literal(p_key), 'NULL') USING ERRCODE = 'LP005';
+    END IF;
+    BEGIN
+        RETURN CASE v_type
+            WHEN 'bigint' THEN p_key::bigint::text
+            WHEN 'uuid' THEN p_key::uuid::text
+            ELSE p_key END;
+    EXCEPTION WHEN data_exception THEN
+        RAISE EXCEPTION 'key % of kind % is not a %', quote_literal(left(p_key, 100)),
+            p_kind, v_type USING ERRCODE = 'LP005';
+    END;
+END $$;
+
+-- The relay's intent for one deadline version.
+CREATE FUNCTION lapse.intent(p_id bigint, p_kind text, p_key text,
+                             p_expire_at timestamptz, p_version integer)
+RETURNS void LANGUAGE sql AS $$
+    INSERT INTO outbox (kind, order_id, payload)
+    VALUES ('deadline', p_id, jsonb_build_object(
+        'order_id', p_id, 'kind', p_kind, 'key', p_key,
+        'expire_at', to_char(p_expire_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
+        'deadline_version', p_version));
+$$;
+
+-- Schedules the deadline of (kind, key) at expire_at, in the caller's transaction;
+-- returns its version. Idempotent for the same instant while pending; another instant
+-- while pending is refused (LP006: lapse.reschedule moves it). A deadline that fired
+-- or was cancelled is armed again with the next version.
+CREATE FUNCTION lapse.schedule(p_kind text, p_key text, p_expire_at timestamptz)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_key     text := lapse.checked_key(p_kind, p_key);
+    v_expire  timestamptz := lapse_checked_deadline(p_expire_at);
+    v_id      bigint;
+    v_version integer;
+    v_current timestamptz;
+BEGIN
+    INSERT INTO lapse.deadlines AS d (kind, key, expire_at)
+    VALUES (p_kind, v_key, v_expire)
+    ON CONFLICT (kind, key) DO UPDATE
+       SET expire_at = EXCLUDED.expire_at, version = d.version + 1, state = 'pending',
+           outcome = NULL, scheduled_at = now(), settled_at = NULL, last_error = NULL
+     WHERE d.state <> 'pending'
+    RETURNING id, version INTO v_id, v_version;
+    IF v_id IS NULL THEN
+        SELECT version, expire_at INTO v_version, v_current
+          FROM lapse.deadlines WHERE kind = p_kind AND key = v_key;
+        IF v_current = v_expire THEN
+            RETURN v_version;
+        END IF;
+        RAISE EXCEPTION 'deadline % % is already scheduled at % (lapse.reschedule moves it later, lapse.cancel ends it)',
+            p_kind, quote_literal(v_key), v_current USING ERRCODE = 'LP006';
+    END IF;
+    PERFORM lapse.intent(v_id, p_kind, v_key, v_expire, v_version);
+    RETURN v_version;
+END $$;
+
+-- Moves a pending deadline later, before it passed (by the real clock); returns the
+-- new version, or NULL when there is nothing pending to move or it already passed.
+-- An instant not later than the current one is refused (LP002).
+CREATE FUNCTION lapse.reschedule(p_kind text, p_key text, p_expire_at timestamptz)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_key     text := lapse.checked_key(p_kind, p_key);
+    v_expire  timestamptz := lapse_checked_deadline(p_expire_at);
+    v_id      bigint;
+    v_version integer;
+    v_current timestamptz;
+BEGIN
+    SELECT id, expire_at INTO v_id, v_current FROM lapse.deadlines
+     WHERE kind = p_kind AND key = v_key AND state = 'pending' AND expire_at > clock_timestamp()
+       FOR UPDATE;
+    IF v_id IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF v_expire <= v_current THEN
+        RAISE EXCEPTION 'deadline % % is at %: a reschedule must be later (got %)',
+            p_kind, quote_literal(v_key), v_current, v_expire USING ERRCODE = 'LP002';
+    END IF;
+    UPDATE lapse.deadlines SET expire_at = v_expire, version = version + 1
+     WHERE id = v_id RETURNING version INTO v_version;
+    PERFORM lapse.intent(v_id, p_kind, v_key, v_expire, v_version);
+    RETURN v_version;
+END $$;
+
+-- Ends a pending deadline (the payment or confirmation happened): its timeout becomes
+-- stale. True when a pending deadline was cancelled.
+CREATE FUNCTION lapse.cancel(p_kind text, p_key text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE lapse.deadlines
+       SET state = 'cancelled', outcome = 'cancelled', settled_at = clock_timestamp()
+     WHERE kind = p_kind AND key = lapse.checked_key(p_kind, p_key) AND state = 'pending';
+    RETURN FOUND;
+END $$;
+
+-- The deadline of (kind, key) as the shop's own guarded statements read it: `open` is
+-- true while it is pending and its instant has not passed by the real clock. No row
+-- when none was ever scheduled.
+CREATE FUNCTION lapse.deadline(p_kind text, p_key text,
+    OUT state text, OUT expire_at timestamptz, OUT version integer, OUT open boolean)
+RETURNS SETOF record LANGUAGE sql STABLE AS $$
+    SELECT d.state, d.expire_at, d.version,
+           d.state = 'pending' AND d.expire_at > clock_timestamp()
+      FROM lapse.deadlines d
+     WHERE d.kind = p_kind AND d.key = lapse.checked_key(p_kind, p_key);
+$$;
+
+-- Pinned search paths: pg_catalog first (nothing shadows a built-in), lapse, then the
+-- schema holding lapse's outbox and deadline rules, pg_temp last.
+DO $$
+DECLARE
+    v_fn regprocedure;
+BEGIN
+    FOR v_fn IN
+        SELECT p.oid::regprocedure FROM pg_proc p
+          JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = 'lapse'
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s SET search_path = pg_catalog, lapse, %I, pg_temp',
+                       v_fn, current_schema());
+    END LOOP;
+END $$;

@@ -1,0 +1,735 @@
+//! Deadline kinds over a shop's own tables: `public.t_order` and `public.t_delivery`,
+//! which lapse did not create, two kinds side by side, the shop's SQL API, events to
+//! the shop's exchange applied by an inventory service in a second database, and the
+//! hostile cases (an action that fails, changes three rows, waits for the shop's row
+//! lock; a kind taken out of the configuration; a missing exchange).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::FieldTable;
+use lapse::config::{Config, EventConfig, KeyType, KindConfig};
+use lapse::message::{PARK_CAUSE_HEADER, header_text, park_reason};
+use serde_json::Value;
+
+use crate::helpers::{TestEnv, count, database_url, drop_database, eventually, stderr, stdout};
+
+const SHOP: &str = "
+CREATE TABLE public.t_order (
+    order_no     text PRIMARY KEY,
+    user_id      bigint NOT NULL,
+    order_status smallint NOT NULL DEFAULT 0,
+    expire_at    timestamptz NOT NULL,
+    closed_at    timestamptz
+);
+CREATE TABLE public.t_delivery (
+    id           bigint PRIMARY KEY,
+    order_no     text NOT NULL,
+    confirmed_at timestamptz
+);";
+
+fn kind(key_type: KeyType, action: &str, event: Option<(&str, &str)>) -> KindConfig {
+    KindConfig {
+        key_type,
+        action: action.into(),
+        event: event.map(|(exchange, routing_key)| EventConfig {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+        }),
+    }
+}
+
+const CLOSE: &str = "UPDATE t_order SET order_status = 4, closed_at = clock_timestamp()
+     WHERE order_no = $1 AND order_status = 0 RETURNING order_no, user_id";
+const CONFIRM: &str = "UPDATE t_delivery SET confirmed_at = clock_timestamp()
+     WHERE id = $1 AND confirmed_at IS NULL RETURNING id AS delivery_id, order_no";
+
+/// The shop's exchange and the inventory service's queue bound to `order.closed`.
+async fn shop_exchange(env: &mut TestEnv) -> (String, String) {
+    let exchange = format!("{}.shop", env.prefix);
+    let queue = format!("{}.inventory", env.prefix);
+    let ch = env.conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(
+        queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        queue.as_str().into(),
+        exchange.as_str().into(),
+        "order.closed".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    env.track_exchange(exchange.clone());
+    env.track_queue(queue.clone());
+    (exchange, queue)
+}
+
+/// The env's database with the shop's tables, migrated with the kinds of `config`.
+async fn shop_database(env: &TestEnv, config: &Config) -> tokio_postgres::Client {
+    let db = env.db().await;
+    db.batch_execute(SHOP).await.unwrap();
+    lapse::db::migrate_with_settings(
+        &config.database.url,
+        &lapse::db::Settings::from_config(config),
+    )
+    .await
+    .unwrap();
+    db
+}
+
+/// Creates an order and schedules its close in one shop transaction.
+async fn place_order(db: &mut tokio_postgres::Client, order_no: &str, in_ms: i64) {
+    let tx = db.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO t_order (order_no, user_id, expire_at)
+         VALUES ($1, 7, now() + $2::bigint * interval '1 millisecond')",
+        &[&order_no, &in_ms],
+    )
+    .await
+    .unwrap();
+    tx.execute(
+        "SELECT lapse.schedule('order_close', order_no, expire_at) FROM t_order WHERE order_no = $1",
+        &[&order_no],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// The payment recipe of docs/adopting.md: the shop's guarded UPDATE accepts the
+/// payment only while the deadline is open, then cancels the deadline.
+async fn pay(db: &mut tokio_postgres::Client, order_no: &str) -> bool {
+    let tx = db.transaction().await.unwrap();
+    let paid = tx
+        .execute(
+            "UPDATE t_order SET order_status = 1
+              WHERE order_no = $1 AND order_status = 0
+                AND (SELECT open FROM lapse.deadline('order_close', $1))",
+            &[&order_no],
+        )
+        .await
+        .unwrap()
+        == 1;
+    if paid {
+        tx.execute("SELECT lapse.cancel('order_close', $1)", &[&order_no])
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    paid
+}
+
+async fn pending(db: &tokio_postgres::Client) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM lapse.deadlines WHERE state = 'pending'",
+    )
+    .await
+}
+
+// Over 60 lines on purpose: one end-to-end story (schedule, pay some, fire the rest, the inventory applies each event once), whose assertions need the whole of it.
+#[tokio::test]
+async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
+    let mut env = TestEnv::with_database(&["1s", "5s"]).await;
+    let (exchange, queue) = shop_exchange(&mut env).await;
+    let mut config = env.config();
+    config.kinds.insert(
+        "order_close".into(),
+        kind(KeyType::Text, CLOSE, Some((&exchange, "order.closed"))),
+    );
+    config
+        .kinds
+        .insert("auto_confirm".into(), kind(KeyType::Bigint, CONFIRM, None));
+    let mut db = shop_database(&env, &config).await;
+    // Another service's database, fed only by lapse's events.
+    let inventory = format!("{}_inv", env.prefix);
+    lapse::db::ensure_database(&lapse::config::Secret::new(database_url(&inventory)))
+        .await
+        .unwrap();
+    let (inv, connection) =
+        tokio_postgres::connect(&database_url(&inventory), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    inv.batch_execute("CREATE TABLE released (order_no text PRIMARY KEY, version int NOT NULL)")
+        .await
+        .unwrap();
+
+    let running = env.start(&config).await;
+    let orders: Vec<String> = (0..20).map(|i| format!("SO-{i:03}")).collect();
+    for (i, order_no) in orders.iter().enumerate() {
+        place_order(&mut db, order_no, 1500 + 150 * i as i64).await;
+    }
+    // Half are paid before their deadline, through the recipe.
+    for order_no in orders.iter().step_by(2) {
+        assert!(pay(&mut db, order_no).await, "{order_no} paid in time");
+    }
+    db.batch_execute(
+        "INSERT INTO t_delivery VALUES (1, 'SO-001', NULL), (2, 'SO-003', NULL), (3, 'SO-005', now());
+         SELECT lapse.schedule('auto_confirm', id::text, now() + interval '2 seconds') FROM t_delivery",
+    )
+    .await
+    .unwrap();
+
+    eventually(
+        Duration::from_secs(60),
+        "every deadline settled",
+        || async { (pending(&db).await == 0).then_some(()) },
+    )
+    .await;
+    // Every unpaid order closed once, never before its deadline; paid ones untouched.
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM t_order WHERE order_status = 4").await,
+        10
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE order_status = 1 AND closed_at IS NULL"
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE closed_at < expire_at"
+        )
+        .await,
+        0,
+        "closed before its deadline"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines d JOIN t_order o ON o.order_no = d.key
+              WHERE d.kind = 'order_close'
+                AND d.outcome = CASE o.order_status WHEN 4 THEN 'fired' ELSE 'cancelled' END"
+        )
+        .await,
+        20
+    );
+    // The long kind: two deliveries confirmed, one already confirmed by the shop.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE kind = 'auto_confirm' AND outcome = 'fired'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM lapse.deadlines WHERE kind = 'auto_confirm' AND outcome = 'nothing'").await,
+        1
+    );
+
+    // The inventory service applies each event idempotently by (kind, key, version).
+    let ch = env.conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.as_str().into(),
+            "inventory".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut seen = BTreeSet::new();
+    while seen.len() < 10 {
+        let d = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("an event per closed order")
+            .unwrap()
+            .unwrap();
+        let body: Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(body["kind"], "order_close");
+        assert_eq!(body["row"]["user_id"], 7, "{body}");
+        assert_eq!(body["row"]["order_no"], body["key"], "{body}");
+        let key = body["key"].as_str().unwrap().to_string();
+        inv.execute(
+            "INSERT INTO released VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            &[&key, &(body["version"].as_i64().unwrap() as i32)],
+        )
+        .await
+        .unwrap();
+        seen.insert(key);
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let closed: BTreeSet<String> = db
+        .query("SELECT order_no FROM t_order WHERE order_status = 4", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seen, closed);
+    assert_eq!(count(&inv, "SELECT count(*) FROM released").await, 10);
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+
+    assert!(running.stop().await.is_empty());
+    drop(inv);
+    drop_database(&inventory).await;
+    env.cleanup().await;
+}
+
+/// Takes `n` messages from the parked queue: (cause, reason) of each, sorted.
+async fn parked(env: &TestEnv, n: usize) -> Vec<(String, String)> {
+    let channel = env.conn.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            env.names().parked().as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut found = Vec::new();
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("a parked message")
+            .unwrap()
+            .unwrap();
+        let headers = d.properties.headers().as_ref();
+        found.push((
+            header_text(headers, PARK_CAUSE_HEADER).unwrap_or_default(),
+            park_reason(headers).unwrap_or_default(),
+        ));
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = channel.close(200, "done".into()).await;
+    found.sort();
+    found
+}
+
+// Over 60 lines on purpose: the hostile actions of one batch side by side, to show that none of them holds up the others.
+#[tokio::test]
+async fn an_action_that_fails_or_changes_three_rows_parks_only_its_deadline() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("order_close".into(), kind(KeyType::Text, CLOSE, None));
+    config.kinds.insert(
+        "by_user".into(),
+        kind(
+            KeyType::Bigint,
+            "UPDATE t_order SET order_status = 9 WHERE user_id = $1 AND order_status = 0 RETURNING order_no",
+            None,
+        ),
+    );
+    config.kinds.insert(
+        "fragile".into(),
+        kind(
+            KeyType::Text,
+            "UPDATE t_order SET user_id = user_id / (CASE WHEN order_no = 'boom' THEN 0 ELSE 1 END)
+              WHERE order_no = $1 RETURNING order_no",
+            None,
+        ),
+    );
+    // Registered in the database, then taken out of the worker's configuration.
+    config
+        .kinds
+        .insert("gone".into(), kind(KeyType::Text, CLOSE, None));
+    let db = shop_database(&env, &config).await;
+    config.kinds.remove("gone");
+    db.batch_execute(
+        "INSERT INTO t_order (order_no, user_id, expire_at) VALUES
+            ('u1', 42, now()), ('u2', 42, now()), ('u3', 42, now()),
+            ('boom', 1, now()), ('fine', 1, now()), ('held', 2, now()), ('other', 3, now());
+         SELECT lapse.schedule('by_user', '42', now() + interval '1 second');
+         SELECT lapse.schedule('fragile', 'boom', now() + interval '1 second');
+         SELECT lapse.schedule('fragile', 'fine', now() + interval '1 second');
+         SELECT lapse.schedule('gone', 'other', now() + interval '1 second');
+         SELECT lapse.schedule('order_close', 'held', now() + interval '1 second');",
+    )
+    .await
+    .unwrap();
+    // The shop holds 'held' in its own transaction across the deadline.
+    let holder = env.db().await;
+    holder
+        .batch_execute("BEGIN; SELECT * FROM t_order WHERE order_no = 'held' FOR UPDATE")
+        .await
+        .unwrap();
+
+    let running = env.start(&config).await;
+    let found = parked(&env, 3).await;
+    let causes: Vec<&str> = found.iter().map(|(c, _)| c.as_str()).collect();
+    assert_eq!(
+        causes,
+        ["action_failed", "action_failed", "unknown_kind"],
+        "{found:?}"
+    );
+    assert!(
+        found[0].1.contains("division by zero") || found[1].1.contains("division by zero"),
+        "{found:?}"
+    );
+    assert!(
+        found.iter().any(|(_, r)| r.contains("changed 3 rows")),
+        "{found:?}"
+    );
+    assert!(found[2].1.contains("\"gone\""), "{found:?}");
+    // The others went on: 'fine' fired, while 'held' waits for the shop's lock.
+    eventually(Duration::from_secs(30), "fine fired", || async {
+        (count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE key = 'fine' AND outcome = 'fired'",
+        )
+        .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE order_no = 'held' AND order_status = 0"
+        )
+        .await,
+        1
+    );
+    // Nothing of the failed actions stayed; their deadlines stay pending with the reason.
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM t_order WHERE order_status = 9").await,
+        0
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM lapse.deadlines WHERE state = 'pending' AND last_error IS NOT NULL").await,
+        2
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE kind = 'gone' AND state = 'pending'"
+        )
+        .await,
+        1
+    );
+    // Once the shop lets go, 'held' closes.
+    holder.batch_execute("COMMIT").await.unwrap();
+    eventually(Duration::from_secs(30), "held closed", || async {
+        (count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE order_no = 'held' AND order_status = 4",
+        )
+        .await
+            == 1)
+            .then_some(())
+    })
+    .await;
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_event_for_an_exchange_not_there_waits_in_the_outbox() {
+    let mut env = TestEnv::with_database(&["1s"]).await;
+    let exchange = format!("{}.shop", env.prefix);
+    let mut config = env.config();
+    config.kinds.insert(
+        "order_close".into(),
+        kind(KeyType::Text, CLOSE, Some((&exchange, "order.closed"))),
+    );
+    let mut db = shop_database(&env, &config).await;
+    let running = env.start(&config).await;
+    place_order(&mut db, "SO-1", 200).await;
+    place_order(&mut db, "SO-2", 300).await;
+    eventually(Duration::from_secs(30), "the event held back", || async {
+        let waiting = count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE kind = 'event' AND last_error LIKE '%does not exist%'",
+        )
+        .await;
+        (waiting == 2).then_some(())
+    })
+    .await;
+    // Later timeouts still flow past it.
+    place_order(&mut db, "SO-3", 100).await;
+    eventually(Duration::from_secs(30), "SO-3 closed", || async {
+        (count(&db, "SELECT count(*) FROM t_order WHERE order_status = 4").await == 3).then_some(())
+    })
+    .await;
+    // The shop declares its exchange and queue: the events arrive.
+    let (_, queue) = shop_exchange(&mut env).await;
+    let ch = env.conn.create_channel().await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "three events delivered",
+        || async {
+            let q = ch
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .ok()?;
+            (q.message_count() == 3).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+async fn sqlstate(db: &tokio_postgres::Client, sql: &str) -> String {
+    let e = db.batch_execute(sql).await.expect_err(sql);
+    let db_error = e.as_db_error().expect("a server error");
+    format!("{} {}", db_error.code().code(), db_error.message())
+}
+
+#[tokio::test]
+async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("order_close".into(), kind(KeyType::Text, CLOSE, None));
+    config
+        .kinds
+        .insert("auto_confirm".into(), kind(KeyType::Bigint, CONFIRM, None));
+    let db = shop_database(&env, &config).await;
+    for (sql, expected) in [
+        (
+            "SELECT lapse.schedule('order_close', 'a', 'infinity')",
+            "LP001",
+        ),
+        (
+            "SELECT lapse.schedule('order_close', 'a', now() + interval '1000 years')",
+            "LP001",
+        ),
+        ("SELECT lapse.schedule('order_close', 'a', NULL)", "LP001"),
+        (
+            "SELECT lapse.schedule('order_close', 'a', now() - interval '1 hour')",
+            "LP001",
+        ),
+        (
+            "SELECT lapse.schedule('nope', 'a', now() + interval '1 hour')",
+            "LP004",
+        ),
+        (
+            "SELECT lapse.schedule('auto_confirm', 'SO-1', now() + interval '1 hour')",
+            "LP005",
+        ),
+        (
+            "SELECT lapse.schedule('order_close', '', now() + interval '1 hour')",
+            "LP005",
+        ),
+        (
+            "SELECT lapse.schedule('order_close', NULL, now() + interval '1 hour')",
+            "LP005",
+        ),
+    ] {
+        let got = sqlstate(&db, sql).await;
+        assert!(got.starts_with(expected), "{sql}: {got}");
+    }
+    let version = |sql: &'static str| {
+        let db = &db;
+        async move {
+            db.query_one(sql, &[])
+                .await
+                .unwrap()
+                .get::<_, Option<i32>>(0)
+        }
+    };
+    db.batch_execute("CREATE TEMP TABLE at AS SELECT now() + interval '1 hour' AS t")
+        .await
+        .unwrap();
+    // Idempotent for the same instant; another instant while pending is refused.
+    assert_eq!(
+        version("SELECT lapse.schedule('auto_confirm', '007', (SELECT t FROM at))").await,
+        Some(1)
+    );
+    assert_eq!(
+        version("SELECT lapse.schedule('auto_confirm', '7', (SELECT t FROM at))").await,
+        Some(1)
+    );
+    let got = sqlstate(
+        &db,
+        "SELECT lapse.schedule('auto_confirm', '7', (SELECT t FROM at) + interval '1 s')",
+    )
+    .await;
+    assert!(got.starts_with("LP006"), "{got}");
+    // Later only.
+    let got = sqlstate(
+        &db,
+        "SELECT lapse.reschedule('auto_confirm', '7', (SELECT t FROM at) - interval '1 s')",
+    )
+    .await;
+    assert!(got.starts_with("LP002"), "{got}");
+    assert_eq!(
+        version(
+            "SELECT lapse.reschedule('auto_confirm', '7', (SELECT t FROM at) + interval '1 s')"
+        )
+        .await,
+        Some(2)
+    );
+    assert_eq!(
+        version(
+            "SELECT lapse.reschedule('auto_confirm', '8', (SELECT t FROM at) + interval '1 s')"
+        )
+        .await,
+        None
+    );
+    let open: bool = db
+        .query_one("SELECT open FROM lapse.deadline('auto_confirm', '7')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(open);
+    let cancelled: bool = db
+        .query_one("SELECT lapse.cancel('auto_confirm', '7')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(cancelled);
+    let again: bool = db
+        .query_one("SELECT lapse.cancel('auto_confirm', '7')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!again);
+    // Cancelled, then armed again with the next version.
+    assert_eq!(
+        version("SELECT lapse.schedule('auto_confirm', '7', (SELECT t FROM at))").await,
+        Some(3)
+    );
+    // One intent per version that was scheduled: 1, 2 and 3.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE kind = 'deadline' AND payload->>'key' = '7'"
+        )
+        .await,
+        3
+    );
+    // lapse created nothing in the shop's schema.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'lapse'"
+        )
+        .await,
+        2
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    env.db().await.batch_execute(SHOP).await.unwrap();
+    let cases = [
+        (
+            "syntax",
+            "text",
+            "UPDATE t_order SET WHERE order_no = $1 RETURNING order_no",
+            "kinds.syntax.action",
+            "syntax error",
+        ),
+        (
+            "column",
+            "text",
+            "UPDATE t_order SET order_state = 4 WHERE order_no = $1 RETURNING order_no",
+            "kinds.column.action",
+            "order_state",
+        ),
+        (
+            "silent",
+            "text",
+            "UPDATE t_order SET order_status = 4 WHERE order_no = $1",
+            "kinds.silent.action",
+            "RETURNING",
+        ),
+        (
+            "two",
+            "text",
+            "UPDATE t_order SET order_status = 4 WHERE order_no = $1 AND user_id = $2 RETURNING order_no",
+            "kinds.two.action",
+            "2 parameters",
+        ),
+        (
+            "keyless",
+            "text",
+            "UPDATE t_order SET order_status = 4 WHERE false RETURNING order_no",
+            "kinds.keyless.action",
+            "$1",
+        ),
+        (
+            "typed",
+            "bigint",
+            "UPDATE t_order SET order_status = 4 WHERE order_no = $1 RETURNING order_no",
+            "kinds.typed.key_type",
+            "bigint",
+        ),
+        (
+            "anon",
+            "text",
+            "UPDATE t_order SET order_status = 4 WHERE order_no = $1 RETURNING order_no || 'x'",
+            "kinds.anon.action",
+            "AS",
+        ),
+    ];
+    let mut toml = format!("[database]\nurl = {:?}\n", env.database_url());
+    for (name, key_type, action, _, _) in &cases {
+        toml += &format!("[kinds.{name}]\nkey_type = {key_type:?}\naction = {action:?}\n");
+    }
+    toml += &format!("[kinds.good]\naction = {CLOSE:?}\n");
+    env.write_config(&toml);
+    let out = env.lapse(&["kinds", "check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let (err, ok) = (stderr(&out), stdout(&out));
+    for (_, _, _, key, words) in &cases {
+        let line = err
+            .lines()
+            .find(|l| l.contains(key))
+            .unwrap_or_else(|| panic!("{key} in {err}"));
+        assert!(line.contains(words), "{key}: {line}");
+    }
+    assert!(ok.contains("kind good: returns order_no, user_id"), "{ok}");
+
+    // A worker with one bad kind does not start, naming it.
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("good".into(), kind(KeyType::Text, CLOSE, None));
+    config
+        .kinds
+        .insert("two".into(), kind(KeyType::Text, cases[3].2, None));
+    let error =
+        lapse::runtime::service::Service::start(&config, Default::default(), Default::default())
+            .await
+            .err()
+            .expect("refused");
+    assert!(error.to_string().contains("kinds.two.action"), "{error}");
+    // Nothing of the checks was executed.
+    assert_eq!(
+        count(&env.db().await, "SELECT count(*) FROM t_order").await,
+        0
+    );
+    env.cleanup().await;
+}
