@@ -12,9 +12,13 @@ CREATE SCHEMA IF NOT EXISTS lapse;
 -- The kinds the configuration declares, written by `lapse migrate` and a starting
 -- worker (kinds are only ever added or changed here, never deleted: a kind taken out
 -- of the configuration keeps its deadlines, which the worker parks as unknown_kind).
+-- A deadline further away than `promote_within` (the top tier, written with the kind) is
+-- kept only here until it comes within range: no broker message for weeks.
 CREATE TABLE lapse.kinds (
     name     text PRIMARY KEY CHECK (name ~ '^[a-z][a-z0-9_]{0,62}$'),
-    key_type text NOT NULL CHECK (key_type IN ('text', 'bigint', 'uuid'))
+    key_type text NOT NULL CHECK (key_type IN ('text', 'bigint', 'uuid')),
+    promote_within interval NOT NULL DEFAULT interval '1 hour'
+                   CHECK (promote_within > interval '0')
 );
 
 -- One deadline per (kind, key): the key as text in its canonical form (a bigint
@@ -38,10 +42,14 @@ CREATE TABLE lapse.deadlines (
     settled_at  timestamptz,
     -- Why the last attempt to fire did not (a statement error, too many rows).
     last_error  text,
+    -- Handed to the broker (an intent written); false while it waits for the promoter.
+    in_tiers    boolean     NOT NULL DEFAULT true,
     UNIQUE (kind, key),
     CHECK ((state = 'pending') = (outcome IS NULL))
 );
-CREATE INDEX deadlines_pending_by_time ON lapse.deadlines (expire_at) WHERE state = 'pending';
+CREATE INDEX deadlines_pending_by_time ON lapse.deadlines (expire_at, id) WHERE state = 'pending';
+CREATE INDEX deadlines_to_promote ON lapse.deadlines (expire_at, id)
+    WHERE state = 'pending' AND NOT in_tiers;
 
 -- Deadline intents and the shop's events travel through the same outbox as timeouts.
 ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
@@ -74,16 +82,22 @@ BEGIN
     END;
 END $$;
 
--- The relay's intent for one deadline version.
+-- The relay's intent for one deadline version, when it lies within its kind's range;
+-- returns whether it was written (the promoter writes the others later).
 CREATE FUNCTION lapse.intent(p_id bigint, p_kind text, p_key text,
                              p_expire_at timestamptz, p_version integer)
-RETURNS void LANGUAGE sql AS $$
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_expire_at > now() + (SELECT promote_within FROM lapse.kinds WHERE name = p_kind) THEN
+        RETURN false;
+    END IF;
     INSERT INTO outbox (kind, order_id, payload)
     VALUES ('deadline', p_id, jsonb_build_object(
         'order_id', p_id, 'kind', p_kind, 'key', p_key,
         'expire_at', to_char(p_expire_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
         'deadline_version', p_version));
-$$;
+    RETURN true;
+END $$;
 
 -- Schedules the deadline of (kind, key) at expire_at, in the caller's transaction;
 -- returns its version. Idempotent for the same instant while pending; another instant
@@ -114,7 +128,8 @@ BEGIN
         RAISE EXCEPTION 'deadline % % is already scheduled at % (lapse.reschedule moves it later, lapse.cancel ends it)',
             p_kind, quote_literal(v_key), v_current USING ERRCODE = 'LP006';
     END IF;
-    PERFORM lapse.intent(v_id, p_kind, v_key, v_expire, v_version);
+    UPDATE lapse.deadlines SET in_tiers = lapse.intent(v_id, p_kind, v_key, v_expire, v_version)
+     WHERE id = v_id;
     RETURN v_version;
 END $$;
 
@@ -142,7 +157,8 @@ BEGIN
     END IF;
     UPDATE lapse.deadlines SET expire_at = v_expire, version = version + 1
      WHERE id = v_id RETURNING version INTO v_version;
-    PERFORM lapse.intent(v_id, p_kind, v_key, v_expire, v_version);
+    UPDATE lapse.deadlines SET in_tiers = lapse.intent(v_id, p_kind, v_key, v_expire, v_version)
+     WHERE id = v_id;
     RETURN v_version;
 END $$;
 

@@ -69,6 +69,10 @@ pub struct Status {
     pub retention_pruned: i64,
     /// How long ago the last retention batch ran; `None` before the first.
     pub retention_last_ms: Option<f64>,
+    /// Pending deadlines of each kind (docs/adopting.md), all shards together; left
+    /// out when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kinds: Vec<crate::kinds::status::KindFigures>,
     /// With `database.shards`: each shard's own figures (the fields above are then
     /// all shards together: counts summed, the oldest of each, the worst lateness).
     /// Empty, and left out, with one database.
@@ -99,6 +103,8 @@ pub struct ShardStatus {
     pub parked_entries: i64,
     pub retention_pruned: i64,
     pub retention_last_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kinds: Vec<crate::kinds::status::KindFigures>,
 }
 
 /// Closes in this many minutes count as recent.
@@ -215,6 +221,7 @@ pub async fn order_figures<C: GenericClient>(
         .map_err(DbError::from)?;
     let (retention_pruned, retention_last_ms) = crate::components::retention::pruned(db).await?;
     let parked_entries = crate::parked::book::total(db, prefix).await?;
+    let kinds = crate::kinds::status::figures(db).await?;
     Ok(ShardStatus {
         shard,
         overdue_unpaid: column(&overdue, "overdue")?,
@@ -236,6 +243,7 @@ pub async fn order_figures<C: GenericClient>(
         parked_entries,
         retention_pruned,
         retention_last_ms,
+        kinds,
     })
 }
 
@@ -305,6 +313,7 @@ impl Status {
             parked_entries: all.parked_entries,
             retention_pruned: all.retention_pruned,
             retention_last_ms: all.retention_last_ms,
+            kinds: crate::kinds::status::merge(shards.iter().flat_map(|s| s.kinds.clone())),
             shards: if sharded { shards } else { Vec::new() },
         }
     }

@@ -141,6 +141,15 @@ pub enum Command {
         action: parked::ParkedCommand,
     },
     /// Check the deadline kinds of `[kinds]` against the order databases.
+    #[command(after_help = help::after(
+        &["lapse kinds check", "lapse kinds check --json"],
+        &[
+            help::OK,
+            (1, "a kind does not check"),
+            help::USAGE,
+            help::UNREACHABLE,
+        ],
+    ))]
     Kinds {
         #[command(subcommand)]
         action: kinds::KindsCommand,

@@ -376,6 +376,9 @@ pub struct Settings {
     pub prefix: String,
     /// The kinds `lapse.schedule` accepts (`[kinds]`), recorded in `lapse.kinds`.
     pub kinds: crate::kinds::Catalog,
+    /// How far ahead a kind's deadline goes to the broker: the top tier. Further ones
+    /// wait in the database for the promoter.
+    pub promote_within: Duration,
 }
 
 impl Settings {
@@ -384,6 +387,7 @@ impl Settings {
             deadline_horizon: config.orders.deadline_horizon,
             prefix: config.broker.prefix.clone(),
             kinds: crate::kinds::Catalog::new(&config.kinds),
+            promote_within: crate::kinds::promote::within(config),
         }
     }
 }
@@ -402,7 +406,7 @@ pub async fn write_settings<C: tokio_postgres::GenericClient>(
             &[(&horizon_ms, tokio_postgres::types::Type::INT8)],
         )
         .await?;
-    crate::kinds::check::register(client, &settings.kinds).await?;
+    crate::kinds::check::register(client, &settings.kinds, settings.promote_within).await?;
     Ok(())
 }
 

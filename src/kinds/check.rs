@@ -95,7 +95,10 @@ async fn check_one(
         return problem(format!("returns the column {} twice", twice[0]));
     }
     let wanted = Key::sql_type(kind.key_type);
-    if let Err(e) = tx.prepare_typed(&kind.wrapped(), std::slice::from_ref(&wanted)).await {
+    if let Err(e) = tx
+        .prepare_typed(&kind.wrapped(), std::slice::from_ref(&wanted))
+        .await
+    {
         if e.code().is_none() {
             return Err(e.into());
         }
@@ -121,11 +124,14 @@ fn type_name(t: &Type) -> String {
     t.name().to_string()
 }
 
-/// Records the kinds in `lapse.kinds` (added or changed, never deleted: the deadlines
-/// of a kind taken out of the configuration stay, and are parked as `unknown_kind`).
+/// Records the kinds in `lapse.kinds` with how far ahead their deadlines go to the
+/// broker (`promote_within`, the top tier): added or changed, never deleted (the
+/// deadlines of a kind taken out of the configuration stay, and are parked as
+/// `unknown_kind`).
 pub async fn register<C: tokio_postgres::GenericClient>(
     client: &C,
     catalog: &Catalog,
+    promote_within: std::time::Duration,
 ) -> Result<(), DbError> {
     if catalog.is_empty() {
         return Ok(());
@@ -135,13 +141,19 @@ pub async fn register<C: tokio_postgres::GenericClient>(
         .iter()
         .map(|k| k.key_type.as_str().to_string())
         .collect();
+    let within_ms = crate::deadline::saturating_millis(promote_within).max(1);
     client
         .execute_typed(
-            "INSERT INTO lapse.kinds (name, key_type)
-             SELECT * FROM unnest($1::text[], $2::text[])
-             ON CONFLICT (name) DO UPDATE SET key_type = EXCLUDED.key_type
-              WHERE lapse.kinds.key_type <> EXCLUDED.key_type",
-            &[(&names, Type::TEXT_ARRAY), (&types, Type::TEXT_ARRAY)],
+            "INSERT INTO lapse.kinds (name, key_type, promote_within)
+             SELECT k.name, k.key_type, $3::bigint * interval '1 millisecond'
+               FROM unnest($1::text[], $2::text[]) AS k(name, key_type)
+             ON CONFLICT (name) DO UPDATE
+                SET key_type = EXCLUDED.key_type, promote_within = EXCLUDED.promote_within",
+            &[
+                (&names, Type::TEXT_ARRAY),
+                (&types, Type::TEXT_ARRAY),
+                (&within_ms, Type::INT8),
+            ],
         )
         .await?;
     Ok(())

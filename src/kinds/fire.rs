@@ -303,12 +303,15 @@ impl Done {
 
 /// Marks deadlines fired (`outcome` fired or nothing) and writes the event of each one
 /// that fired and whose kind has one: `{kind, key, deadline, version, fired_at, row}`.
+/// The rows were locked pending by this transaction, so only the action itself changed
+/// them meanwhile (a shop trigger that calls `lapse.cancel` when the row leaves its
+/// open state): the deadline is recorded as fired all the same.
 const FIRED_SQL: &str = "
 WITH f AS (
     UPDATE lapse.deadlines d
        SET state = 'fired', outcome = x.outcome, settled_at = clock_timestamp(), last_error = NULL
       FROM unnest($1::bigint[], $2::text[], $3::jsonb[]) AS x(id, outcome, r)
-     WHERE d.id = x.id AND d.state = 'pending'
+     WHERE d.id = x.id
     RETURNING d.id, d.kind, d.key, d.version, d.expire_at, d.settled_at, x.outcome, x.r
 ),
 events AS (

@@ -1,7 +1,8 @@
 //! Deadline kinds over the shop's own tables (docs/adopting.md): the kinds the
 //! configuration declares, ready to run ([`Catalog`]); their check against the live
-//! database ([`check`]); and the fire path the worker takes for a kind's timeout
-//! ([`fire`]).
+//! database ([`check`]); the fire path the worker takes for a kind's timeout
+//! ([`fire`]); and the promoter that hands far deadlines to the broker when they come
+//! within range, with the backstop for lost timeouts ([`promote`]).
 //!
 //! Invariants: a kind's action runs only in the transaction that marks its deadline
 //! fired, inside a savepoint, so an action that fails or changes more than one row
@@ -10,6 +11,8 @@
 
 pub mod check;
 pub mod fire;
+pub mod promote;
+pub mod status;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -104,7 +104,7 @@ fn describe_all() {
     describe_counter!(
         PARKED,
         Unit::Count,
-        "Messages copied to the parked queue, by component and reason (undecodable, bad_deadline, unknown_shard, database_unavailable, unroutable, release_failed)."
+        "Messages copied to the parked queue, by component and reason (undecodable, bad_deadline, unknown_shard, unknown_kind, action_failed, database_unavailable, unroutable, release_failed)."
     );
     describe_counter!(
         UNROUTABLE,

@@ -88,6 +88,15 @@ impl Entry {
         };
         // Ids name the shard like message ids do (order ids repeat across shards).
         let (id, kind, shard) = match (&timeout, release) {
+            // A kind's deadline is named as its message is (its id is not an order's).
+            (Some(m), _) if m.deadline().is_some() => (
+                sharded(
+                    m.shard,
+                    format!("deadline-{}-v{}", m.order_id, m.deadline_version),
+                ),
+                Kind::Timeout,
+                Some(m.shard),
+            ),
             (Some(m), _) => (
                 sharded(
                     m.shard,
@@ -149,6 +158,7 @@ impl Entry {
             kind,
             order_id: timeout
                 .as_ref()
+                .filter(|m| m.deadline().is_none())
                 .map(|m| m.order_id)
                 .or(release.map(|(order, _)| order)),
             shard,

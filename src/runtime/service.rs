@@ -209,6 +209,11 @@ impl Starter<'_> {
                 self.sweeper(config, &shard, &stats, &limiter)?;
             }
         }
+        if !config.kinds.is_empty() && (w.relay || w.sweeper) {
+            for shard in database.shard_list() {
+                self.promoter(config, &shard, &stats)?;
+            }
+        }
         if w.parked_archive && (w.consumer || w.relay || w.releaser || w.sweeper) {
             // The parked book lives in the first order database.
             let home = database.for_shard(&database.shard_list()[0]);
@@ -296,6 +301,31 @@ impl Starter<'_> {
             async move {
                 if migrations::wait_migrated(&schemas, index, name, &h, &t).await {
                     sweeper.run_as(name, label, h, t).await;
+                }
+                Ok(())
+            }
+        });
+        Ok(())
+    }
+
+    /// The promoter of one shard (`promoter`, or `promoter.s<i>`): far deadlines of
+    /// kinds to the broker when within range, and their backstop.
+    fn promoter(
+        &mut self,
+        config: &Config,
+        shard: &Shard,
+        stats: &Stats,
+    ) -> Result<(), ServiceError> {
+        let database = config.database.for_shard(shard);
+        let promoter =
+            crate::kinds::promote::Promoter::new(config, db::pool(&database, 2)?, stats.clone());
+        let name = leak(config.database.per_shard("promoter", shard.index));
+        let (schemas, index) = (self.schemas.clone(), shard.index);
+        self.add(name, move |_, h, t| {
+            let (promoter, schemas) = (promoter.clone(), schemas.clone());
+            async move {
+                if migrations::wait_migrated(&schemas, index, name, &h, &t).await {
+                    promoter.run(name, h, t).await;
                 }
                 Ok(())
             }

@@ -125,6 +125,20 @@ pub fn problems(
             ),
         ));
     }
+    for k in &status.kinds {
+        if k.overdue > 0 && over(k.oldest_overdue_ms, limits.overdue) {
+            out.push(Problem::new(
+                "overdue",
+                format!(
+                    "{} deadlines of kind {} past their instant, the oldest by {} (more than {}): firing is behind or not running",
+                    k.overdue,
+                    k.kind,
+                    age(k.oldest_overdue_ms),
+                    humantime::format_duration(limits.overdue)
+                ),
+            ));
+        }
+    }
     if status.outbox_rows > 0 && over(status.oldest_outbox_ms, limits.outbox) {
         out.push(Problem::new(
             "outbox",
@@ -198,6 +212,7 @@ mod tests {
             parked_entries: 0,
             retention_pruned: 0,
             retention_last_ms: None,
+            kinds: Vec::new(),
             lateness_p50_ms: None,
             lateness_p99_ms: None,
             lateness_max_ms: None,

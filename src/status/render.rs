@@ -96,6 +96,19 @@ impl Status {
             "RETENTION\n  pruned             {} rows of finished orders ({last})\n",
             self.retention_pruned,
         ));
+        for k in &self.kinds {
+            out.push_str(&format!(
+                "KIND {}
+  pending            {} ({} waiting in the database for their range), {} overdue (oldest {}), {} failing (parked: action_failed)
+",
+                k.kind,
+                k.pending,
+                k.in_database,
+                k.overdue,
+                ms(k.oldest_overdue_ms),
+                k.failing,
+            ));
+        }
     }
 
     /// One line per shard; nothing without shards.

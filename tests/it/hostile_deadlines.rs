@@ -139,6 +139,7 @@ async fn the_sql_functions_refuse_invalid_deadlines_with_lp001() {
             deadline_horizon: Duration::from_secs(86_400),
             prefix: "lapse".into(),
             kinds: Default::default(),
+            promote_within: Duration::from_secs(3600),
         },
     )
     .await

@@ -491,7 +491,10 @@ async fn an_event_for_an_exchange_not_there_waits_in_the_outbox() {
         },
     )
     .await;
-    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    eventually(Duration::from_secs(10), "the outbox emptied", || async {
+        (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+    })
+    .await;
     assert!(running.stop().await.is_empty());
     env.cleanup().await;
 }
@@ -618,14 +621,27 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
         version("SELECT lapse.schedule('auto_confirm', '7', (SELECT t FROM at))").await,
         Some(3)
     );
-    // One intent per version that was scheduled: 1, 2 and 3.
+    // An hour away is beyond the top tier (1s): no intent, the promoter hands it over
+    // later; one within range gets its intent at once.
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM outbox WHERE kind = 'deadline'").await,
+        0
+    );
+    assert_eq!(
+        version("SELECT lapse.schedule('auto_confirm', '9', now() + interval '500 ms')").await,
+        Some(1)
+    );
     assert_eq!(
         count(
             &db,
-            "SELECT count(*) FROM outbox WHERE kind = 'deadline' AND payload->>'key' = '7'"
+            "SELECT count(*) FROM outbox WHERE kind = 'deadline' AND payload->>'key' = '9'"
         )
         .await,
-        3
+        1
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM lapse.deadlines WHERE in_tiers").await,
+        1
     );
     // lapse created nothing in the shop's schema.
     assert_eq!(
@@ -731,5 +747,253 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
         count(&env.db().await, "SELECT count(*) FROM t_order").await,
         0
     );
+    env.cleanup().await;
+}
+
+/// The trigger recipe of docs/adopting.md, verbatim in spirit: the shop's INSERT
+/// schedules, its payment cancels, and the action's own UPDATE (which fires the same
+/// trigger) still records the deadline as fired.
+const TRIGGER: &str = "
+CREATE FUNCTION shop_order_deadline() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' AND NEW.order_status = 0 THEN
+        PERFORM lapse.schedule('order_close', NEW.order_no, NEW.expire_at);
+    ELSIF TG_OP = 'UPDATE' AND OLD.order_status = 0 AND NEW.order_status <> 0 THEN
+        PERFORM lapse.cancel('order_close', NEW.order_no);
+    ELSIF TG_OP = 'UPDATE' AND NEW.order_status = 0 AND NEW.expire_at > OLD.expire_at THEN
+        PERFORM lapse.reschedule('order_close', NEW.order_no, NEW.expire_at);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER t_order_deadline AFTER INSERT OR UPDATE OF order_status, expire_at
+    ON t_order FOR EACH ROW EXECUTE FUNCTION shop_order_deadline();";
+
+#[tokio::test]
+async fn the_trigger_recipe_needs_no_application_change() {
+    let mut env = TestEnv::with_database(&["1s"]).await;
+    let (exchange, queue) = shop_exchange(&mut env).await;
+    let mut config = env.config();
+    config.kinds.insert(
+        "order_close".into(),
+        kind(KeyType::Text, CLOSE, Some((&exchange, "order.closed"))),
+    );
+    let db = shop_database(&env, &config).await;
+    db.batch_execute(TRIGGER).await.unwrap();
+    let running = env.start(&config).await;
+    db.batch_execute(
+        "INSERT INTO t_order (order_no, user_id, expire_at) VALUES
+            ('a', 1, now() + interval '1500 ms'), ('b', 1, now() + interval '1500 ms'),
+            ('c', 1, now() + interval '1 s');
+         UPDATE t_order SET expire_at = expire_at + interval '1 s' WHERE order_no = 'c';
+         UPDATE t_order SET order_status = 1 WHERE order_no = 'b';",
+    )
+    .await
+    .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "every deadline settled",
+        || async { (pending(&db).await == 0).then_some(()) },
+    )
+    .await;
+    let outcomes: Vec<(String, String, i32)> = db
+        .query(
+            "SELECT key, outcome, version FROM lapse.deadlines ORDER BY key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            ("a".to_string(), "fired".to_string(), 1),
+            ("b".into(), "cancelled".into(), 1),
+            ("c".into(), "fired".into(), 2)
+        ]
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE order_status = 4 AND closed_at >= expire_at"
+        )
+        .await,
+        2
+    );
+    let ch = env.conn.create_channel().await.unwrap();
+    eventually(Duration::from_secs(30), "two events", || async {
+        let q = ch
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .ok()?;
+        (q.message_count() == 2).then_some(())
+    })
+    .await;
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+async fn messages_in(env: &TestEnv, queue: &str) -> u32 {
+    let ch = env.conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _ = ch.close(200, "asked".into()).await;
+    q.message_count()
+}
+
+#[tokio::test]
+async fn a_deadline_beyond_the_top_tier_waits_in_the_database_until_within_range() {
+    let env = TestEnv::with_database(&["1s", "2s"]).await;
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("auto_confirm".into(), kind(KeyType::Bigint, CONFIRM, None));
+    let db = shop_database(&env, &config).await;
+    db.batch_execute(
+        "INSERT INTO t_delivery SELECT g, 'SO-' || g, NULL FROM generate_series(1, 10000) g;
+         SELECT lapse.schedule('auto_confirm', id::text, now() + interval '1 hour') FROM t_delivery WHERE id > 3;
+         SELECT lapse.schedule('auto_confirm', id::text, now() + interval '5 seconds') FROM t_delivery WHERE id <= 3;",
+    )
+    .await
+    .unwrap();
+    // Nothing for the broker yet: 10,000 pending deadlines cost no message.
+    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE NOT in_tiers"
+        )
+        .await,
+        10_000
+    );
+    let running = env.start(&config).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Nothing farther than the top tier (2s) is ever handed over: not the far ones, and
+    // a near one only once within range.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines
+              WHERE in_tiers AND (expire_at > clock_timestamp() + interval '2 s' OR key::bigint > 3)"
+        )
+        .await,
+        0
+    );
+    let mut in_tiers = 0;
+    for tier in ["1s", "2s"] {
+        let queue = env
+            .names()
+            .wait_queue(lapse::tier::Tier::parse(tier).unwrap());
+        in_tiers += messages_in(&env, &queue).await;
+    }
+    assert!(in_tiers <= 3, "{in_tiers} messages in the tiers");
+    eventually(Duration::from_secs(30), "the near three fired", || async {
+        (count(
+            &db,
+            "SELECT count(*) FROM t_delivery WHERE confirmed_at IS NOT NULL",
+        )
+        .await
+            == 3)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines d JOIN t_delivery t ON t.id::text = d.key
+              WHERE d.outcome = 'fired' AND t.confirmed_at >= d.expire_at AND d.in_tiers"
+        )
+        .await,
+        3
+    );
+    // The far ones were never handed over.
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM lapse.deadlines WHERE in_tiers").await,
+        3
+    );
+    // A reschedule far away takes a deadline out of the tiers again (its message in
+    // flight is stale), and one near hands it over at once.
+    db.batch_execute(
+        "SELECT lapse.schedule('auto_confirm', '1', now() + interval '1 hour');
+         SELECT lapse.reschedule('auto_confirm', '4', now() + interval '2 hours');",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE key IN ('1', '4') AND NOT in_tiers"
+        )
+        .await,
+        2
+    );
+    // `lapse status` shows each kind's pending deadlines.
+    let out = env.lapse(&["status", "--json"]);
+    let status: Value = serde_json::from_str(&stdout(&out)).expect("status JSON");
+    let kinds = &status["kinds"];
+    assert_eq!(kinds[0]["kind"], "auto_confirm", "{kinds}");
+    assert_eq!(kinds[0]["pending"], 9_998, "{kinds}");
+    assert_eq!(kinds[0]["in_database"], 9_998, "{kinds}");
+    assert_eq!(kinds[0]["overdue"], 0, "{kinds}");
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_backstop_fires_a_deadline_whose_timeout_was_lost() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("order_close".into(), kind(KeyType::Text, CLOSE, None));
+    config.worker.sweeper = true;
+    config.sweeper.grace = Duration::from_millis(500);
+    config.sweeper.interval = Duration::from_millis(500);
+    let mut db = shop_database(&env, &config).await;
+    place_order(&mut db, "lost", 100).await;
+    // The timeout never reaches the broker.
+    db.batch_execute("DELETE FROM outbox").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let running = env.start(&config).await;
+    eventually(
+        Duration::from_secs(30),
+        "the lost deadline fired",
+        || async {
+            (count(
+                &db,
+                "SELECT count(*) FROM t_order WHERE order_status = 4 AND closed_at >= expire_at",
+            )
+            .await
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE outcome = 'fired'"
+        )
+        .await,
+        1
+    );
+    assert!(running.stop().await.is_empty());
     env.cleanup().await;
 }
