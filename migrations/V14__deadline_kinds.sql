@@ -7,6 +7,10 @@
 -- later (reschedule), LP004 unknown kind, LP005 key not of the kind's type, LP006
 -- already scheduled at another instant.
 
+-- Never queue behind an application's long transaction while holding a lock others
+-- need: give up after a few seconds instead; `lapse migrate` can run again.
+SET LOCAL lock_timeout = '5s';
+
 CREATE SCHEMA IF NOT EXISTS lapse;
 
 -- The kinds the configuration declares, written by `lapse migrate` and a starting
@@ -51,10 +55,22 @@ CREATE INDEX deadlines_pending_by_time ON lapse.deadlines (expire_at, id) WHERE 
 CREATE INDEX deadlines_to_promote ON lapse.deadlines (expire_at, id)
     WHERE state = 'pending' AND NOT in_tiers;
 
--- Deadline intents and the shop's events travel through the same outbox as timeouts.
-ALTER TABLE outbox DROP CONSTRAINT outbox_kind_check;
-ALTER TABLE outbox ADD CONSTRAINT outbox_kind_check
-    CHECK (kind IN ('timeout', 'stock.release', 'deadline', 'event'));
+-- Deadline intents and the shop's events: an outbox of their own, which a relay of an
+-- earlier version never reads (it would take an intent for an order's timeout). The
+-- relay drains both; the same trigger wakes it.
+CREATE TABLE lapse.kind_outbox (
+    id          bigserial   PRIMARY KEY,
+    kind        text        NOT NULL CHECK (kind IN ('deadline', 'event')),
+    deadline_id bigint      NOT NULL,
+    payload     jsonb       NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    not_before  timestamptz NOT NULL DEFAULT now(),
+    attempts    integer     NOT NULL DEFAULT 0,
+    last_error  text
+);
+CREATE INDEX kind_outbox_due ON lapse.kind_outbox (not_before, id);
+CREATE TRIGGER kind_outbox_notify AFTER INSERT ON lapse.kind_outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION lapse_outbox_notify();
 
 -- The key in canonical form, or LP004 (unknown kind) / LP005 (not of its type).
 CREATE FUNCTION lapse.checked_key(p_kind text, p_key text)
@@ -67,9 +83,9 @@ BEGIN
         RAISE EXCEPTION 'unknown deadline kind %: declare it under [kinds] and run lapse migrate',
             coalesce(quote_literal(p_kind), 'NULL') USING ERRCODE = 'LP004';
     END IF;
-    IF p_key IS NULL OR p_key = '' THEN
-        RAISE EXCEPTION 'a deadline of kind % needs a key (got %)', p_kind,
-            coalesce(quote_literal(p_key), 'NULL') USING ERRCODE = 'LP005';
+    IF p_key IS NULL OR p_key = '' OR length(p_key) > 200 THEN
+        RAISE EXCEPTION 'a deadline of kind % needs a key of 1 to 200 characters (got %)', p_kind,
+            coalesce(quote_literal(left(p_key, 100)), 'NULL') USING ERRCODE = 'LP005';
     END IF;
     BEGIN
         RETURN CASE v_type
@@ -91,7 +107,7 @@ BEGIN
     IF p_expire_at > now() + (SELECT promote_within FROM lapse.kinds WHERE name = p_kind) THEN
         RETURN false;
     END IF;
-    INSERT INTO outbox (kind, order_id, payload)
+    INSERT INTO lapse.kind_outbox (kind, deadline_id, payload)
     VALUES ('deadline', p_id, jsonb_build_object(
         'order_id', p_id, 'kind', p_kind, 'key', p_key,
         'expire_at', to_char(p_expire_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
@@ -173,6 +189,25 @@ BEGIN
     RETURN FOUND;
 END $$;
 
+-- The payment side of "payment and timeout never both win" (docs/adopting.md): locks
+-- the deadline first (the order the firing transaction takes its locks in), and
+-- cancels it only while it is pending and its instant has not passed by the real
+-- clock. True: the caller may accept the payment in the same transaction; false: too
+-- late (or already settled), refuse it.
+CREATE FUNCTION lapse.settle(p_kind text, p_key text)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+BEGIN
+    SELECT id INTO v_id FROM lapse.deadlines
+     WHERE kind = p_kind AND key = lapse.checked_key(p_kind, p_key)
+       FOR UPDATE;
+    UPDATE lapse.deadlines
+       SET state = 'cancelled', outcome = 'cancelled', settled_at = clock_timestamp()
+     WHERE id = v_id AND state = 'pending' AND expire_at > clock_timestamp();
+    RETURN FOUND;
+END $$;
+
 -- The deadline of (kind, key) as the shop's own guarded statements read it: `open` is
 -- true while it is pending and its instant has not passed by the real clock. No row
 -- when none was ever scheduled.
@@ -186,7 +221,7 @@ RETURNS SETOF record LANGUAGE sql STABLE AS $$
 $$;
 
 -- Pinned search paths: pg_catalog first (nothing shadows a built-in), lapse, then the
--- schema holding lapse's outbox and deadline rules, pg_temp last.
+-- schema holding lapse's deadline rules, pg_temp last.
 DO $$
 DECLARE
     v_fn regprocedure;

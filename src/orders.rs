@@ -2,6 +2,12 @@
 //! deadline, pay it, show it. Each call runs on the caller's client or transaction,
 //! so the order and its intent commit together with the caller's own writes. The
 //! same operations exist as SQL functions (`lapse_create_order`, ...) for any language.
+//!
+//! The functions live in lapse's schema (`lapse`, or `public` for an installation an
+//! earlier version made): call these on a transaction opened with [`crate::db::begin`]
+//! (which puts the schema on its search path, also behind a pooler in transaction
+//! mode), or on a connection whose search path includes `lapse`
+//! ([`crate::db::app_pool`], or `ALTER ROLE app SET search_path = "$user", public, lapse`).
 
 use std::fmt;
 use std::time::Duration;

@@ -222,14 +222,15 @@ pub async fn order_figures<C: GenericClient>(
     let (retention_pruned, retention_last_ms) = crate::components::retention::pruned(db).await?;
     let parked_entries = crate::parked::book::total(db, prefix).await?;
     let kinds = crate::kinds::status::figures(db).await?;
+    let (kind_rows, kind_oldest_ms, kind_retrying) = crate::kinds::status::outbox(db).await?;
     Ok(ShardStatus {
         shard,
         overdue_unpaid: column(&overdue, "overdue")?,
         oldest_overdue_ms: column(&overdue, "oldest_ms")?,
         unreadable_deadlines: column(&overdue, "unreadable")?,
-        outbox_rows: column(&outbox, "waiting")?,
-        oldest_outbox_ms: column(&outbox, "oldest_ms")?,
-        outbox_retrying: column(&outbox, "retrying")?,
+        outbox_rows: column::<i64>(&outbox, "waiting")? + kind_rows,
+        oldest_outbox_ms: worst(column(&outbox, "oldest_ms")?, kind_oldest_ms),
+        outbox_retrying: column::<i64>(&outbox, "retrying")? + kind_retrying,
         recent_closes: column(&recent, "closes")?,
         recent_sweeper_closes: column(&recent, "swept")?,
         recent_release_repairs,

@@ -117,7 +117,9 @@ impl BenchEnv {
 
     /// A plain connection to the benchmark database.
     pub async fn client(&self) -> anyhow::Result<tokio_postgres::Client> {
-        let (client, connection) = db::connect(&db::pg_config(&self.database_url)?).await?;
+        let mut target = db::pg_config(&self.database_url)?;
+        db::with_search_path(&mut target);
+        let (client, connection) = db::connect(&target).await?;
         tokio::spawn(connection);
         Ok(client)
     }

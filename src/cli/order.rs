@@ -145,7 +145,9 @@ async fn create(
 ) -> anyhow::Result<ExitStatus> {
     let skus: Vec<String> = lines.iter().map(|l| l.sku.clone()).collect();
     let mut client = pool.get().await?;
-    orders::ensure_stock(&**client, &skus, config.orders.initial_stock).await?;
+    let tx = db::begin(&mut client, pool.limits()).await?;
+    orders::ensure_stock(&tx, &skus, config.orders.initial_stock).await?;
+    tx.commit().await?;
     let mut ids = Vec::with_capacity(count as usize);
     let progress = progress_bar(u64::from(count));
     while (ids.len() as u32) < count {

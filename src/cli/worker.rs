@@ -223,7 +223,8 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     // A server that accepts the connection and then says nothing is one that does not
     // answer yet, not a reason to hang the start.
     let login = db::LOGIN_TIMEOUT;
-    let (client, connection) = match db::bounded_connect(&db::bounded_config(&shard.url)?).await {
+    let (mut client, connection) = match db::bounded_connect(&db::bounded_config(&shard.url)?).await
+    {
         Ok(pair) => pair,
         Err(db::DbError::Postgres(e)) if matches!(super::failure::database(&e), Some(f) if f.status == ExitStatus::Usage) =>
         {
@@ -240,7 +241,10 @@ async fn check_shard(config: &Config, shard: &crate::config::Shard) -> anyhow::R
     // The connection may still drop: then, like a database that does not answer, the
     // components retry; another failure of the query stops the start naming the shard.
     // Whether it has lapse's schema, and the position its first migration recorded.
-    let asked = db::schema_state(&client);
+    let asked = async {
+        let tx = db::begin_plain(&mut client).await?;
+        db::schema_state(&tx).await
+    };
     let failure = match tokio::time::timeout(login, asked).await {
         Ok(answer) => answer,
         Err(_) => Err(db::DbError::NoAnswer {

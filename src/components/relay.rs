@@ -136,12 +136,24 @@ impl Relay {
                 &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
             )
             .await?;
-        if rows.is_empty() {
+        // Kinds' intents and events wait in an outbox of their own, half a batch at a
+        // time at most when both have work.
+        let kind_rows = tx
+            .query_typed(
+                "SELECT id, kind, deadline_id AS order_id, payload, now() AS db_now, created_at, attempts
+                   FROM lapse.kind_outbox
+                  WHERE not_before <= now()
+                  ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                &[(&self.batch_size.max(2), tokio_postgres::types::Type::INT8)],
+            )
+            .await?;
+        if rows.is_empty() && kind_rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }
         let outgoing: Vec<RowPublish> = rows
             .iter()
-            .map(|r| self.decode(r))
+            .map(|r| self.decode(r, Source::Outbox))
+            .chain(kind_rows.iter().map(|r| self.decode(r, Source::Kinds)))
             .collect::<Result<_, DbError>>()?;
         let tiers: BTreeSet<Tier> = outgoing.iter().filter_map(|o| o.tier).collect();
         let missing = if tiers.is_empty() {
@@ -156,8 +168,12 @@ impl Relay {
         let mut no_exchange = BTreeSet::new();
         for exchange in exchanges {
             let after = self.tier_check.timeout();
-            if !broker::exchange_exists_within(conn, exchange, after).await? {
-                no_exchange.insert(exchange.to_string());
+            // No answer holds only that exchange's events back, for this round.
+            match broker::exchange_exists_within(conn, exchange, after).await {
+                Ok(true) => {}
+                Ok(false) | Err(_) => {
+                    no_exchange.insert(exchange.to_string());
+                }
             }
         }
         let mut later = Later::default();
@@ -184,12 +200,16 @@ impl Relay {
         let messages = ready.iter().map(|o| o.message.clone()).collect();
         let results = publisher.publish_all(messages).await;
         let mut sent_ids = Vec::new();
+        let mut sent_kind_ids = Vec::new();
         let mut hops = Vec::new();
         let mut broken = None;
         for (o, result) in ready.into_iter().zip(results) {
             match result {
                 Ok(()) => {
-                    sent_ids.push(o.outbox_id);
+                    match o.source {
+                        Source::Outbox => sent_ids.push(o.outbox_id),
+                        Source::Kinds => sent_kind_ids.push(o.outbox_id),
+                    }
                     if let Some(hop) = &o.hop {
                         self.stats.hop(Some(hop.tier.as_str()));
                         hops.push(hop.clone());
@@ -201,28 +221,44 @@ impl Relay {
                 Err(e) => broken = Some(e),
             }
         }
-        tx.execute_typed(
-            "DELETE FROM outbox WHERE id = ANY($1)",
-            &[(&sent_ids, tokio_postgres::types::Type::INT8_ARRAY)],
-        )
-        .await?;
-        tx.execute_typed(
-            "UPDATE outbox o
-                SET attempts = o.attempts + 1, last_error = r.error,
-                    not_before = now() + r.ms * interval '1 millisecond'
-               FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS r(id, ms, error)
-              WHERE o.id = r.id",
-            &[
-                (&later.ids, tokio_postgres::types::Type::INT8_ARRAY),
-                (&later.delay_ms, tokio_postgres::types::Type::INT8_ARRAY),
-                (&later.errors, tokio_postgres::types::Type::TEXT_ARRAY),
-            ],
-        )
-        .await?;
+        for (table, ids) in [("outbox", &sent_ids), ("lapse.kind_outbox", &sent_kind_ids)] {
+            if !ids.is_empty() {
+                tx.execute_typed(
+                    &format!("DELETE FROM {table} WHERE id = ANY($1)"),
+                    &[(ids, tokio_postgres::types::Type::INT8_ARRAY)],
+                )
+                .await?;
+            }
+        }
+        for (table, source) in [
+            ("outbox", Source::Outbox),
+            ("lapse.kind_outbox", Source::Kinds),
+        ] {
+            let (ids, delay_ms, errors) = later.of(source);
+            if ids.is_empty() {
+                continue;
+            }
+            tx.execute_typed(
+                &format!(
+                    "UPDATE {table} o
+                        SET attempts = o.attempts + 1, last_error = r.error,
+                            not_before = now() + r.ms * interval '1 millisecond'
+                       FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS r(id, ms, error)
+                      WHERE o.id = r.id"
+                ),
+                &[
+                    (&ids, tokio_postgres::types::Type::INT8_ARRAY),
+                    (&delay_ms, tokio_postgres::types::Type::INT8_ARRAY),
+                    (&errors, tokio_postgres::types::Type::TEXT_ARRAY),
+                ],
+            )
+            .await?;
+        }
         crate::timeline::record_hops(&tx, &hops).await?;
         tx.commit().await?;
         let stats = self.stats.by("relay");
-        stats.record(Outcome::Relayed, sent_ids.len() as u64);
+        let sent = sent_ids.len() + sent_kind_ids.len();
+        stats.record(Outcome::Relayed, sent as u64);
         stats.record(Outcome::PublishRefused, later.refused as u64);
         stats.record(Outcome::Unroutable, later.returned as u64);
         if let Some(error) = later.errors.first() {
@@ -237,7 +273,7 @@ impl Relay {
             return Err(e.into());
         }
         Ok(RelayOutcome::Published {
-            sent: sent_ids.len(),
+            sent,
             refused: later.refused,
             returned: later.returned,
         })
@@ -341,10 +377,19 @@ impl Relay {
     }
 }
 
+/// Which outbox a row came from: lapse's (timeouts, stock releases) or the kinds'
+/// (`lapse.kind_outbox`: deadline intents, events). Their ids are apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    Outbox,
+    Kinds,
+}
+
 /// Rows to try again later, with why and when.
 #[derive(Default)]
 struct Later {
     ids: Vec<i64>,
+    sources: Vec<Source>,
     delay_ms: Vec<i64>,
     errors: Vec<String>,
     refused: usize,
@@ -352,9 +397,23 @@ struct Later {
 }
 
 impl Later {
+    /// The ids, delays and errors of the rows of one outbox.
+    fn of(&self, source: Source) -> (Vec<i64>, Vec<i64>, Vec<String>) {
+        let mut of = (Vec::new(), Vec::new(), Vec::new());
+        for (i, s) in self.sources.iter().enumerate() {
+            if *s == source {
+                of.0.push(self.ids[i]);
+                of.1.push(self.delay_ms[i]);
+                of.2.push(self.errors[i].clone());
+            }
+        }
+        of
+    }
+
     fn add(&mut self, o: &RowPublish, error: &BrokerError) {
         let delay = retry::retry_delay(o.attempts, o.reroute_after);
         self.ids.push(o.outbox_id);
+        self.sources.push(o.source);
         self.delay_ms
             .push(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
         self.errors.push(error.to_string());

@@ -135,6 +135,7 @@ async fn migrate_locked(
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(LOCK_RETRY_MAX);
     };
+    choose_layout(&tx).await?;
     // A database recorded at another position is refused before anything changes.
     if let Some((_, position)) = settings {
         let state = position::schema_state(&tx).await?;
@@ -151,6 +152,40 @@ async fn migrate_locked(
     }
     tx.commit().await?;
     Ok(report.applied_migrations().len())
+}
+
+/// Where this database keeps lapse's objects, set as the migration transaction's
+/// search path so that the migrations' unqualified names land there: the schema
+/// `lapse` (created if needed), or `public` for an installation an earlier version made
+/// (lapse's migration history in `public`), which keeps working where it is. Every
+/// lapse transaction looks in `lapse` first, then `public` ([`super::SEARCH_PATH`]).
+async fn choose_layout(tx: &tokio_postgres::Transaction<'_>) -> Result<(), DbError> {
+    tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", super::SCHEMA))
+        .await?;
+    let earlier = tx
+        .query_typed_one(
+            "SELECT to_regclass('public.refinery_schema_history') IS NOT NULL
+                AND to_regclass('lapse.refinery_schema_history') IS NULL AS earlier",
+            &[],
+        )
+        .await?;
+    let mut schema = super::SCHEMA;
+    if super::column::<bool>(&earlier, "earlier")? {
+        // Only lapse's own history: another tool's table of the same name is not ours.
+        let ours = tx
+            .query_typed_one(
+                "SELECT EXISTS (SELECT 1 FROM public.refinery_schema_history
+                                 WHERE version = 1 AND name = 'orders') AS ours",
+                &[],
+            )
+            .await?;
+        if super::column::<bool>(&ours, "ours")? {
+            schema = "public";
+        }
+    }
+    tx.batch_execute(&format!("SET LOCAL search_path = {schema}"))
+        .await?;
+    Ok(())
 }
 
 /// refinery's runner inside lapse's migration transaction: every migration, and the

@@ -20,11 +20,24 @@ mod shards;
 pub mod tls;
 pub use lease::Lease;
 pub use migrate::{migrate, migrate_shard, migrate_with_settings};
-pub use pool::{Limits, Pool, SHORT_TRANSACTION_IDLE, begin, begin_short, pool, short_transaction};
+pub use pool::{
+    Limits, Pool, SHORT_TRANSACTION_IDLE, app_pool, begin, begin_plain, begin_short, pool,
+    short_transaction, with_search_path,
+};
 pub use position::{
     SchemaState, check as check_position, check_list, recorded_position, schema_state,
 };
 pub use shards::{InShard, Pools, Schemas, check_shard_list, migrate_shards, shard_key};
+
+/// The schema of lapse's own objects (docs/adopting.md): its tables, functions and
+/// migration history. An installation made before it existed keeps them in `public`.
+pub const SCHEMA: &str = "lapse";
+
+/// The search path of every lapse transaction (`SET LOCAL`, so a pooler in
+/// transaction mode keeps it to the transaction): lapse's schema, then `public` where
+/// an earlier installation keeps its objects. A kind's action runs with the
+/// connection's own search path instead ([`crate::kinds::fire`]).
+pub const SEARCH_PATH: &str = "lapse, public";
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).
 pub const MIGRATION_LOCK: i64 = 0x006c_6170_7365;

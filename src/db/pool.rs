@@ -64,7 +64,33 @@ impl Pool {
 /// frozen lapse process cannot hold row locks inside an open transaction for longer.
 /// A server that vanished is noticed by TCP keepalives and a user timeout.
 pub fn pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
+    build(database, size, false)
+}
+
+/// A pool whose sessions find lapse's objects outside any transaction too, as an
+/// application's would with `lapse` on its `search_path` (the demo's simulated shop
+/// and the benchmark's load): a startup option, so for direct connections only, not
+/// through a pooler in transaction mode.
+pub fn app_pool(database: &DatabaseConfig, size: usize) -> Result<Pool, DbError> {
+    build(database, size, true)
+}
+
+/// `config` with lapse's search path as a startup option (after any options the URL
+/// gives).
+pub fn with_search_path(config: &mut tokio_postgres::Config) {
+    let path = format!("-c search_path={}", super::SEARCH_PATH.replace(' ', ""));
+    let options = match config.get_options() {
+        Some(given) if !given.trim().is_empty() => format!("{given} {path}"),
+        _ => path,
+    };
+    config.options(options);
+}
+
+fn build(database: &DatabaseConfig, size: usize, app: bool) -> Result<Pool, DbError> {
     let mut config = pg_config(&database.url)?;
+    if app {
+        with_search_path(&mut config);
+    }
     config.connect_timeout(Duration::from_secs(5));
     detect_dead_peers(&mut config);
     let connector = config.connector()?;
@@ -134,6 +160,18 @@ pub async fn short_transaction(
     set_local(tx, None, SHORT_TRANSACTION_IDLE, lock_timeout).await
 }
 
+/// A transaction without lapse's timeouts whose statements find lapse's objects
+/// (`SET LOCAL search_path`, [`super::SEARCH_PATH`]): for the few questions lapse asks
+/// outside a pool (a migration's position, the list of databases).
+pub async fn begin_plain(
+    client: &mut tokio_postgres::Client,
+) -> Result<tokio_postgres::Transaction<'_>, DbError> {
+    let tx = client.transaction().await?;
+    tx.batch_execute(&format!("SET LOCAL search_path = {}", super::SEARCH_PATH))
+        .await?;
+    Ok(tx)
+}
+
 /// One simple-protocol round trip; the values are numbers lapse formats itself.
 async fn set_local(
     tx: &tokio_postgres::Transaction<'_>,
@@ -143,8 +181,9 @@ async fn set_local(
 ) -> Result<(), DbError> {
     let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX.unsigned_abs().into());
     let mut sql = format!(
-        "SET LOCAL idle_in_transaction_session_timeout = {}",
-        ms(idle)
+        "SET LOCAL idle_in_transaction_session_timeout = {}; SET LOCAL search_path = {}",
+        ms(idle),
+        super::SEARCH_PATH
     );
     if let Some(statement) = statement {
         sql += &format!("; SET LOCAL statement_timeout = {}", ms(statement));

@@ -50,14 +50,17 @@ pub async fn schema_state<C: tokio_postgres::GenericClient>(
 /// The position recorded in the database at `url` (read-only, connect and login
 /// bounded, the questions bounded by the login timeout).
 pub async fn recorded_position(url: &Secret) -> Result<Option<i32>, DbError> {
-    let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
+    let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
-    let state = tokio::time::timeout(LOGIN_TIMEOUT, schema_state(&client))
-        .await
-        .unwrap_or(Err(DbError::NoAnswer {
-            step: "answer whether its position is recorded",
-            after: LOGIN_TIMEOUT,
-        }));
+    let state = tokio::time::timeout(LOGIN_TIMEOUT, async {
+        let tx = super::begin_plain(&mut client).await?;
+        schema_state(&tx).await
+    })
+    .await
+    .unwrap_or(Err(DbError::NoAnswer {
+        step: "answer whether its position is recorded",
+        after: LOGIN_TIMEOUT,
+    }));
     drop(client);
     match state {
         Ok(state) => {
@@ -178,14 +181,15 @@ pub fn list_to_record(configured: &[String], recorded: Option<&Vec<String>>) -> 
 /// `prefix`'s membership as the database at `url` records it (read-only, connect and
 /// login bounded, the question bounded by the login timeout).
 pub async fn read_membership(url: &Secret, prefix: &str) -> Result<Membership, DbError> {
-    let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
+    let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
     let answer = tokio::time::timeout(LOGIN_TIMEOUT, async {
-        let state = schema_state(&client).await?;
+        let tx = super::begin_plain(&mut client).await?;
+        let state = schema_state(&tx).await?;
         if !state.schema {
             return Ok(Membership::default());
         }
-        membership(&client, prefix).await
+        membership(&tx, prefix).await
     })
     .await
     .unwrap_or(Err(DbError::NoAnswer {
@@ -208,14 +212,19 @@ pub async fn record_list_at(
     read: Option<&Vec<String>>,
     list: &[String],
 ) -> Result<(), DbError> {
-    let (client, connection) = bounded_connect(&bounded_config(url)?).await?;
+    let (mut client, connection) = bounded_connect(&bounded_config(url)?).await?;
     let driver = tokio::spawn(connection);
-    let done = tokio::time::timeout(LOGIN_TIMEOUT, record_list(&client, prefix, read, list))
-        .await
-        .unwrap_or(Err(DbError::NoAnswer {
-            step: "record its list of databases",
-            after: LOGIN_TIMEOUT,
-        }));
+    let done = tokio::time::timeout(LOGIN_TIMEOUT, async {
+        let tx = super::begin_plain(&mut client).await?;
+        record_list(&tx, prefix, read, list).await?;
+        tx.commit().await?;
+        Ok(())
+    })
+    .await
+    .unwrap_or(Err(DbError::NoAnswer {
+        step: "record its list of databases",
+        after: LOGIN_TIMEOUT,
+    }));
     drop(client);
     if done.is_ok() {
         let _ = driver.await;

@@ -99,7 +99,7 @@ async fn run_in(
         return Err(Interrupted.into());
     }
     let config = &sandbox.config;
-    let pool = db::pool(&config.database, config.database.pool_size.max(4))?;
+    let pool = db::app_pool(&config.database, config.database.pool_size.max(4))?;
     let (stock_start, start) = prepare(&pool, o.orders).await?;
     let tiers = config.tier_file()?.tiers;
     let plan = workload::plan(o.orders, o.duration, &tiers, o.seed);

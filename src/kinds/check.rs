@@ -96,7 +96,7 @@ async fn check_one(
     }
     let wanted = Key::sql_type(kind.key_type);
     if let Err(e) = tx
-        .prepare_typed(&kind.wrapped(), std::slice::from_ref(&wanted))
+        .prepare_typed(&kind.action, std::slice::from_ref(&wanted))
         .await
     {
         if e.code().is_none() {
@@ -113,6 +113,19 @@ async fn check_one(
                 DbError::from(e).detail()
             ),
         }));
+    }
+    // lapse runs it inside a WITH, to count and return its rows.
+    if let Err(e) = tx
+        .prepare_typed(&kind.wrapped(), std::slice::from_ref(&wanted))
+        .await
+    {
+        if e.code().is_none() {
+            return Err(e.into());
+        }
+        return problem(format!(
+            "cannot run as a data-modifying WITH query (WITH x AS (<action>) SELECT ...): {}",
+            DbError::from(e).detail()
+        ));
     }
     Ok(Ok(Checked {
         kind: kind.name.clone(),
@@ -142,6 +155,25 @@ pub async fn register<C: tokio_postgres::GenericClient>(
         .map(|k| k.key_type.as_str().to_string())
         .collect();
     let within_ms = crate::deadline::saturating_millis(promote_within).max(1);
+    // Keys are stored in the canonical form of their type: a kind with deadlines
+    // ever recorded keeps its key type.
+    let changed = client
+        .query_typed(
+            "SELECT k.name, k.key_type FROM lapse.kinds k
+               JOIN unnest($1::text[], $2::text[]) AS c(name, key_type) ON c.name = k.name
+              WHERE c.key_type <> k.key_type
+                AND EXISTS (SELECT 1 FROM lapse.deadlines d WHERE d.kind = k.name)",
+            &[(&names, Type::TEXT_ARRAY), (&types, Type::TEXT_ARRAY)],
+        )
+        .await?;
+    if let Some(row) = changed.first() {
+        let name: String = crate::db::column(row, "name")?;
+        let was: String = crate::db::column(row, "key_type")?;
+        return Err(DbError::Config(format!(
+            "kinds.{name}.key_type: the kind has deadlines whose keys are {was}s; its key type \
+             cannot change (declare a kind of another name)"
+        )));
+    }
     client
         .execute_typed(
             "INSERT INTO lapse.kinds (name, key_type, promote_within)

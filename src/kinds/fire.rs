@@ -98,8 +98,9 @@ pub enum Verdict {
 }
 
 /// Fires every deadline of `due` whose row is still pending, of that version and due
-/// by the database clock, in `tx`. A deadline missing from the answer was not due
-/// after all (settled, moved) and needs no verdict. `lock_timeout` is the transaction's
+/// by the database clock, in `tx`. One that could not be locked as such (another
+/// transaction holds it, or it was settled or moved since it was read) is `Locked`:
+/// decided again shortly, when the read shows what became of it. `lock_timeout` is the transaction's
 /// own bound, put back after the actions ran.
 pub async fn fire(
     tx: &Transaction<'_>,
@@ -132,7 +133,13 @@ pub async fn fire(
     if mine.is_empty() {
         return Ok(verdicts);
     }
+    // The shop's statements see the connection's own search path, as the shop's
+    // application does (lapse's transactions look into its schema first).
     set_lock_timeout(tx, ACTION_LOCK_WAIT).await?;
+    tx.batch_execute(
+        "SELECT set_config('search_path', reset_val, true) FROM pg_settings WHERE name = 'search_path'",
+    )
+    .await?;
     let mut done = Done::default();
     for id in mine {
         let Some(Ok(row)) = rows.get(&id) else {
@@ -140,8 +147,8 @@ pub async fn fire(
         };
         let verdict = run_action(tx, catalog, row).await?;
         match &verdict {
-            Outcome::Fired(json) => done.push(id, "fired", Some(json.clone())),
-            Outcome::Nothing => done.push(id, "nothing", None),
+            Outcome::Fired(json) => done.push(id, row.version, "fired", Some(json.clone())),
+            Outcome::Nothing => done.push(id, row.version, "nothing", None),
             Outcome::Locked => {
                 verdicts.insert(id, Verdict::Locked);
             }
@@ -152,6 +159,8 @@ pub async fn fire(
         }
     }
     set_lock_timeout(tx, lock_timeout).await?;
+    tx.batch_execute(&format!("SET LOCAL search_path = {}", db::SEARCH_PATH))
+        .await?;
     verdicts.extend(done.record(tx, catalog).await?);
     Ok(verdicts)
 }
@@ -194,6 +203,16 @@ async fn run_action(
             &[(key.value(), Key::sql_type(kind.key_type))],
         )
         .await;
+    // Deferred constraints of the shop's (a deferrable foreign key, a constraint
+    // trigger) are checked here, inside the savepoint, not at the batch's commit where
+    // they would roll back every other deadline and close with it.
+    let ran = match ran {
+        Ok(rows) if rows.len() <= 1 => tx
+            .batch_execute("SET CONSTRAINTS ALL IMMEDIATE")
+            .await
+            .map(|()| rows),
+        other => other,
+    };
     let outcome = match ran {
         Ok(rows) if rows.len() <= 1 => {
             tx.batch_execute("RELEASE SAVEPOINT lapse_action").await?;
@@ -209,7 +228,9 @@ async fn run_action(
         Err(e) if e.is_closed() || e.code().is_none() => return Err(e.into()),
         Err(e) => {
             let code = e.code().map(|c| c.code()).unwrap_or_default();
-            if matches!(code, "55P03" | "40P01" | "40001" | "57014") {
+            // A lock the shop holds, or a race lost: try again shortly. A statement
+            // timeout is the action's own slowness: parked, with the reason.
+            if matches!(code, "55P03" | "40P01" | "40001") {
                 Outcome::Locked
             } else {
                 Outcome::Failed(format!(
@@ -228,6 +249,7 @@ async fn run_action(
 #[derive(Default)]
 struct Done {
     ids: Vec<i64>,
+    versions: Vec<i32>,
     outcomes: Vec<String>,
     rows: Vec<serde_json::Value>,
     failed_ids: Vec<i64>,
@@ -235,8 +257,9 @@ struct Done {
 }
 
 impl Done {
-    fn push(&mut self, id: i64, outcome: &str, row: Option<serde_json::Value>) {
+    fn push(&mut self, id: i64, version: i32, outcome: &str, row: Option<serde_json::Value>) {
         self.ids.push(id);
+        self.versions.push(version);
         self.outcomes.push(outcome.to_string());
         self.rows.push(row.unwrap_or(serde_json::Value::Null));
     }
@@ -271,6 +294,7 @@ impl Done {
                     (&kinds, Type::TEXT_ARRAY),
                     (&exchanges, Type::TEXT_ARRAY),
                     (&routing_keys, Type::TEXT_ARRAY),
+                    (&self.versions, Type::INT4_ARRAY),
                 ],
             )
             .await?;
@@ -304,18 +328,19 @@ impl Done {
 /// Marks deadlines fired (`outcome` fired or nothing) and writes the event of each one
 /// that fired and whose kind has one: `{kind, key, deadline, version, fired_at, row}`.
 /// The rows were locked pending by this transaction, so only the action itself changed
-/// them meanwhile (a shop trigger that calls `lapse.cancel` when the row leaves its
-/// open state): the deadline is recorded as fired all the same.
+/// them meanwhile: a shop trigger that calls `lapse.cancel` when the row leaves its
+/// open state is recorded as fired all the same; one that armed the deadline again
+/// (a new version) keeps the new version pending.
 const FIRED_SQL: &str = "
 WITH f AS (
     UPDATE lapse.deadlines d
        SET state = 'fired', outcome = x.outcome, settled_at = clock_timestamp(), last_error = NULL
-      FROM unnest($1::bigint[], $2::text[], $3::jsonb[]) AS x(id, outcome, r)
-     WHERE d.id = x.id
+      FROM unnest($1::bigint[], $2::text[], $3::jsonb[], $7::int[]) AS x(id, outcome, r, v)
+     WHERE d.id = x.id AND d.version = x.v
     RETURNING d.id, d.kind, d.key, d.version, d.expire_at, d.settled_at, x.outcome, x.r
 ),
 events AS (
-    INSERT INTO outbox (kind, order_id, payload)
+    INSERT INTO lapse.kind_outbox (kind, deadline_id, payload)
     SELECT 'event', f.id, jsonb_build_object(
                'exchange', e.exchange, 'routing_key', e.routing_key,
                'body', jsonb_build_object(

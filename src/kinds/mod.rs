@@ -36,7 +36,7 @@ impl Kind {
     /// the count decides (0, 1, more) and the row goes into the event.
     pub fn wrapped(&self) -> String {
         format!(
-            "WITH lapse_action AS ({}) SELECT to_jsonb(lapse_action) AS row FROM lapse_action",
+            "WITH lapse_action AS (\n{}\n) SELECT to_jsonb(lapse_action) AS row FROM lapse_action",
             self.action
         )
     }

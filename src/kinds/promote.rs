@@ -25,6 +25,10 @@ use crate::runtime::health::Health;
 /// The lease of the promoter (one leader per order database).
 pub const LEASE: &str = "promoter";
 
+/// The lease of the kinds' backstop: only workers with `worker.sweeper` compete for
+/// it, so the one that leads promotion never turns the backstop off for the others.
+pub const BACKSTOP_LEASE: &str = "kinds_backstop";
+
 /// How far ahead a kind's deadline goes to the broker: the top tier.
 pub fn within(config: &Config) -> Duration {
     config
@@ -75,40 +79,56 @@ impl Promoter {
         }
     }
 
-    /// One round as leader when no other worker leads: promote everything within
-    /// range, then the backstop.
-    pub async fn run_once(&self, lease: &mut Lease) -> Result<Round, DbError> {
+    /// One round: promote everything within range as the promoter's leader, then, with
+    /// the backstop on, fire the overdue as the backstop's leader.
+    pub async fn run_once(
+        &self,
+        lease: &mut Lease,
+        backstop_lease: &mut Lease,
+    ) -> Result<Round, DbError> {
         let mut client = self.pool.get().await?;
-        if !lease.acquire(&mut client, self.pool.limits()).await? {
-            return Ok(Round::default());
+        let mut round = Round::default();
+        if lease.acquire(&mut client, self.pool.limits()).await? {
+            round.leader = true;
+            round.promoted = self.promote(&mut client, lease).await?;
         }
-        let mut round = Round {
-            leader: true,
-            ..Default::default()
-        };
+        if let Some(grace) = self.backstop_after
+            && backstop_lease
+                .acquire(&mut client, self.pool.limits())
+                .await?
+        {
+            round.fired = self.backstop(&mut client, backstop_lease, grace).await?;
+        }
+        Ok(round)
+    }
+
+    /// Hands every deadline within range to the relay, a batch per transaction.
+    async fn promote(
+        &self,
+        client: &mut deadpool_postgres::Client,
+        lease: &mut Lease,
+    ) -> Result<usize, DbError> {
+        let mut promoted = 0;
         loop {
-            let tx =
-                db::begin_short(&mut client, self.pool.limits(), Some(self.lock_timeout)).await?;
+            let tx = db::begin_short(client, self.pool.limits(), Some(self.lock_timeout)).await?;
             if !lease.fence(&tx, Some(self.lock_timeout)).await? {
-                return Ok(round);
+                break;
             }
             let moved = tx
                 .execute_typed(PROMOTE_SQL, &[(&self.batch_size, Type::INT8)])
                 .await?;
             tx.commit().await?;
-            round.promoted += usize::try_from(moved).unwrap_or(usize::MAX);
+            promoted += usize::try_from(moved).unwrap_or(usize::MAX);
             if i64::try_from(moved).unwrap_or(i64::MAX) < self.batch_size {
                 break;
             }
         }
-        if let Some(grace) = self.backstop_after {
-            round.fired = self.backstop(&mut client, lease, grace).await?;
-        }
-        Ok(round)
+        Ok(promoted)
     }
 
     /// Fires the pending deadlines overdue by more than `grace`, a batch per
-    /// transaction, through the worker's fire path.
+    /// transaction, through the worker's fire path. One whose action failed (parked
+    /// with the reason) is left to `lapse parked replay`, not run again every round.
     async fn backstop(
         &self,
         client: &mut deadpool_postgres::Client,
@@ -128,6 +148,7 @@ impl Promoter {
                 .query_typed(
                     "SELECT id, version FROM lapse.deadlines
                       WHERE state = 'pending' AND in_tiers AND kind = ANY($1)
+                        AND last_error IS NULL
                         AND expire_at < now() - $2::bigint * interval '1 millisecond'
                         AND ($3::bigint IS NULL
                              OR (expire_at, id) > ((SELECT expire_at FROM lapse.deadlines WHERE id = $3), $3))
@@ -157,7 +178,7 @@ impl Promoter {
             tx.commit().await?;
             let now_fired = verdicts
                 .values()
-                .filter(|v| matches!(v, Verdict::Fired { .. } | Verdict::Nothing))
+                .filter(|v| matches!(v, Verdict::Fired { .. }))
                 .count();
             for v in verdicts.values() {
                 if let Verdict::Fired {
@@ -189,9 +210,10 @@ impl Promoter {
     /// Rounds every [`Promoter::every`] until `token` is cancelled.
     pub async fn run(self, component: &'static str, health: Health, token: CancellationToken) {
         let mut lease = Lease::new(LEASE, self.lease_ttl);
+        let mut backstop_lease = Lease::new(BACKSTOP_LEASE, self.lease_ttl);
         loop {
             let busy = health.busy(component);
-            let round = self.run_once(&mut lease).await;
+            let round = self.run_once(&mut lease, &mut backstop_lease).await;
             drop(busy);
             match round {
                 Ok(_) => health.up(component),
@@ -204,15 +226,17 @@ impl Promoter {
                 _ = token.cancelled() => break,
             }
         }
-        if lease.epoch().is_some()
-            && let Ok(Ok(mut client)) =
-                tokio::time::timeout(Duration::from_secs(2), self.pool.get()).await
-        {
-            let _ = tokio::time::timeout(
-                Duration::from_secs(2),
-                lease.release(&mut client, self.pool.limits()),
-            )
-            .await;
+        for lease in [&mut lease, &mut backstop_lease] {
+            if lease.epoch().is_some()
+                && let Ok(Ok(mut client)) =
+                    tokio::time::timeout(Duration::from_secs(2), self.pool.get()).await
+            {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    lease.release(&mut client, self.pool.limits()),
+                )
+                .await;
+            }
         }
     }
 }

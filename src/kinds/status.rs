@@ -81,3 +81,32 @@ pub fn merge(all: impl IntoIterator<Item = KindFigures>) -> Vec<KindFigures> {
     }
     by_kind.into_values().collect()
 }
+
+/// The kinds' outbox (`lapse.kind_outbox`): rows waiting, the oldest's age, and how
+/// many the broker refused or returned (an event whose exchange is missing); zeros
+/// before migration V14.
+pub async fn outbox<C: GenericClient>(db: &C) -> Result<(i64, Option<f64>, i64), DbError> {
+    let row = db
+        .query_typed_one(
+            "SELECT to_regclass('lapse.kind_outbox') IS NOT NULL AS migrated",
+            &[],
+        )
+        .await?;
+    if !column::<bool>(&row, "migrated")? {
+        return Ok((0, None, 0));
+    }
+    let row = db
+        .query_typed_one(
+            "SELECT count(*) AS waiting,
+                    extract(epoch FROM clock_timestamp() - min(created_at))::float8 * 1000 AS oldest_ms,
+                    count(*) FILTER (WHERE attempts > 0) AS retrying
+               FROM lapse.kind_outbox",
+            &[],
+        )
+        .await?;
+    Ok((
+        column(&row, "waiting")?,
+        column(&row, "oldest_ms")?,
+        column(&row, "retrying")?,
+    ))
+}

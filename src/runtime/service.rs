@@ -209,7 +209,9 @@ impl Starter<'_> {
                 self.sweeper(config, &shard, &stats, &limiter)?;
             }
         }
-        if !config.kinds.is_empty() && (w.relay || w.sweeper) {
+        // Every worker that knows kinds may promote (a relay-only or consumer-only
+        // fleet still hands far deadlines over); the backstop only with the sweeper.
+        if !config.kinds.is_empty() && (w.consumer || w.relay || w.sweeper) {
             for shard in database.shard_list() {
                 self.promoter(config, &shard, &stats)?;
             }

@@ -176,7 +176,7 @@ async fn payments_racing_the_deadline_never_both_win() {
     .await;
     let worker = env.start(&env.config()).await;
 
-    let pool = lapse::db::pool(&env.config().database, 16).unwrap();
+    let pool = lapse::db::app_pool(&env.config().database, 16).unwrap();
     let deadlines: Vec<(i64, chrono::DateTime<chrono::Utc>)> = db
         .query("SELECT id, expire_at FROM orders ORDER BY id", &[])
         .await

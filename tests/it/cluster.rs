@@ -209,9 +209,12 @@ async fn run_scenario(cluster: &PrivateCluster, fault: Fault) {
         }
         _ => None,
     };
-    let (mut db, connection) = tokio_postgres::connect(&db_url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
+    let (mut db, connection) = tokio_postgres::connect(
+        &crate::helpers::on_lapse_path(&db_url),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
     tokio::spawn(connection);
     // Due from 5 s to 25 s after creation, 10 ms apart.
     let deadlines: Vec<Duration> = (0..ORDERS as u64)

@@ -345,10 +345,12 @@ async fn keep_leaves_the_queues_exchanges_and_database_in_place() {
         all_queues.len() + all_exchanges.len()
     );
     // The kept database holds the run: every order paid or closed.
-    let (client, connection) =
-        tokio_postgres::connect(&database_url(&database), tokio_postgres::NoTls)
-            .await
-            .unwrap();
+    let (client, connection) = tokio_postgres::connect(
+        &crate::helpers::on_lapse_path(&database_url(&database)),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
     tokio::spawn(connection);
     let settled: i64 = client
         .query_one(

@@ -43,6 +43,14 @@ pub fn database_url(name: &str) -> String {
     format!("{base}/{name}")
 }
 
+/// `url` for the tests' own connections: lapse's schema on the search path, as an
+/// application that uses the example shop has it (lapse's own connections set it per
+/// transaction instead).
+pub fn on_lapse_path(url: &str) -> String {
+    let join = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{join}options=-c%20search_path%3Dlapse%2Cpublic")
+}
+
 /// A loopback port nobody listens on right now, for a server a test starts. Taken
 /// below the kernel's ephemeral range (32768 and up here, and by default on Linux), so
 /// the port cannot be handed to an outgoing connection between this check and the
@@ -175,7 +183,7 @@ impl TestEnv {
     /// A direct connection to this test's database.
     pub async fn db(&self) -> tokio_postgres::Client {
         let (client, connection) =
-            tokio_postgres::connect(&self.database_url(), tokio_postgres::NoTls)
+            tokio_postgres::connect(&on_lapse_path(&self.database_url()), tokio_postgres::NoTls)
                 .await
                 .unwrap();
         tokio::spawn(connection);

@@ -115,26 +115,29 @@ async fn place_order(db: &mut tokio_postgres::Client, order_no: &str, in_ms: i64
     tx.commit().await.unwrap();
 }
 
-/// The payment recipe of docs/adopting.md: the shop's guarded UPDATE accepts the
-/// payment only while the deadline is open, then cancels the deadline.
+/// The payment recipe of docs/adopting.md: settle the deadline first, then the
+/// shop's guarded UPDATE, in one transaction; too late means rolled back.
 async fn pay(db: &mut tokio_postgres::Client, order_no: &str) -> bool {
     let tx = db.transaction().await.unwrap();
-    let paid = tx
-        .execute(
-            "UPDATE t_order SET order_status = 1
-              WHERE order_no = $1 AND order_status = 0
-                AND (SELECT open FROM lapse.deadline('order_close', $1))",
-            &[&order_no],
-        )
+    let open: bool = tx
+        .query_one("SELECT lapse.settle('order_close', $1)", &[&order_no])
         .await
         .unwrap()
-        == 1;
-    if paid {
-        tx.execute("SELECT lapse.cancel('order_close', $1)", &[&order_no])
+        .get(0);
+    let paid = open
+        && tx
+            .execute(
+                "UPDATE t_order SET order_status = 1 WHERE order_no = $1 AND order_status = 0",
+                &[&order_no],
+            )
             .await
-            .unwrap();
+            .unwrap()
+            == 1;
+    if paid {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
     }
-    tx.commit().await.unwrap();
     paid
 }
 
@@ -212,7 +215,9 @@ async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
     assert_eq!(
         count(
             &db,
-            "SELECT count(*) FROM t_order WHERE closed_at < expire_at"
+            "SELECT count(*) FROM t_order o
+               JOIN lapse.deadlines d ON d.kind = 'order_close' AND d.key = o.order_no
+              WHERE o.closed_at < d.expire_at OR o.closed_at < o.expire_at"
         )
         .await,
         0,
@@ -283,7 +288,12 @@ async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
         .collect();
     assert_eq!(seen, closed);
     assert_eq!(count(&inv, "SELECT count(*) FROM released").await, 10);
-    assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 0);
+    eventually(Duration::from_secs(10), "both outboxes empty", || async {
+        let left = count(&db, "SELECT count(*) FROM outbox").await
+            + count(&db, "SELECT count(*) FROM lapse.kind_outbox").await;
+        (left == 0).then_some(())
+    })
+    .await;
 
     assert!(running.stop().await.is_empty());
     drop(inv);
@@ -347,14 +357,37 @@ async fn an_action_that_fails_or_changes_three_rows_parks_only_its_deadline() {
             None,
         ),
     );
+    // Fails only at its deferred foreign key: checked inside its savepoint, not at the
+    // batch's commit.
+    config.kinds.insert(
+        "audited".into(),
+        kind(
+            KeyType::Text,
+            "INSERT INTO t_audit VALUES ($1 || '-missing') RETURNING order_no",
+            None,
+        ),
+    );
     // Registered in the database, then taken out of the worker's configuration.
     config
         .kinds
         .insert("gone".into(), kind(KeyType::Text, CLOSE, None));
-    let db = shop_database(&env, &config).await;
+    let db = env.db().await;
+    db.batch_execute(SHOP).await.unwrap();
+    db.batch_execute(
+        "CREATE TABLE public.t_audit (order_no text REFERENCES public.t_order DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .await
+    .unwrap();
+    lapse::db::migrate_with_settings(
+        &config.database.url,
+        &lapse::db::Settings::from_config(&config),
+    )
+    .await
+    .unwrap();
     config.kinds.remove("gone");
     db.batch_execute(
-        "INSERT INTO t_order (order_no, user_id, expire_at) VALUES
+        "SELECT lapse.schedule('audited', 'z', now() + interval '1 second');
+         INSERT INTO t_order (order_no, user_id, expire_at) VALUES
             ('u1', 42, now()), ('u2', 42, now()), ('u3', 42, now()),
             ('boom', 1, now()), ('fine', 1, now()), ('held', 2, now()), ('other', 3, now());
          SELECT lapse.schedule('by_user', '42', now() + interval '1 second');
@@ -373,22 +406,31 @@ async fn an_action_that_fails_or_changes_three_rows_parks_only_its_deadline() {
         .unwrap();
 
     let running = env.start(&config).await;
-    let found = parked(&env, 3).await;
+    let found = parked(&env, 4).await;
     let causes: Vec<&str> = found.iter().map(|(c, _)| c.as_str()).collect();
     assert_eq!(
         causes,
-        ["action_failed", "action_failed", "unknown_kind"],
+        [
+            "action_failed",
+            "action_failed",
+            "action_failed",
+            "unknown_kind"
+        ],
         "{found:?}"
     );
     assert!(
-        found[0].1.contains("division by zero") || found[1].1.contains("division by zero"),
+        found.iter().any(|(_, r)| r.contains("foreign key")),
+        "{found:?}"
+    );
+    assert!(
+        found.iter().any(|(_, r)| r.contains("division by zero")),
         "{found:?}"
     );
     assert!(
         found.iter().any(|(_, r)| r.contains("changed 3 rows")),
         "{found:?}"
     );
-    assert!(found[2].1.contains("\"gone\""), "{found:?}");
+    assert!(found[3].1.contains("\"gone\""), "{found:?}");
     // The others went on: 'fine' fired, while 'held' waits for the shop's lock.
     eventually(Duration::from_secs(30), "fine fired", || async {
         (count(
@@ -415,7 +457,7 @@ async fn an_action_that_fails_or_changes_three_rows_parks_only_its_deadline() {
     );
     assert_eq!(
         count(&db, "SELECT count(*) FROM lapse.deadlines WHERE state = 'pending' AND last_error IS NOT NULL").await,
-        2
+        3
     );
     assert_eq!(
         count(
@@ -457,7 +499,7 @@ async fn an_event_for_an_exchange_not_there_waits_in_the_outbox() {
     eventually(Duration::from_secs(30), "the event held back", || async {
         let waiting = count(
             &db,
-            "SELECT count(*) FROM outbox WHERE kind = 'event' AND last_error LIKE '%does not exist%'",
+            "SELECT count(*) FROM lapse.kind_outbox WHERE kind = 'event' AND last_error LIKE '%does not exist%'",
         )
         .await;
         (waiting == 2).then_some(())
@@ -492,7 +534,7 @@ async fn an_event_for_an_exchange_not_there_waits_in_the_outbox() {
     )
     .await;
     eventually(Duration::from_secs(10), "the outbox emptied", || async {
-        (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+        (count(&db, "SELECT count(*) FROM lapse.kind_outbox").await == 0).then_some(())
     })
     .await;
     assert!(running.stop().await.is_empty());
@@ -544,6 +586,10 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
         ),
         (
             "SELECT lapse.schedule('order_close', NULL, now() + interval '1 hour')",
+            "LP005",
+        ),
+        (
+            "SELECT lapse.schedule('order_close', repeat('k', 201), now() + interval '1 hour')",
             "LP005",
         ),
     ] {
@@ -624,7 +670,11 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
     // An hour away is beyond the top tier (1s): no intent, the promoter hands it over
     // later; one within range gets its intent at once.
     assert_eq!(
-        count(&db, "SELECT count(*) FROM outbox WHERE kind = 'deadline'").await,
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.kind_outbox WHERE kind = 'deadline'"
+        )
+        .await,
         0
     );
     assert_eq!(
@@ -634,7 +684,7 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
     assert_eq!(
         count(
             &db,
-            "SELECT count(*) FROM outbox WHERE kind = 'deadline' AND payload->>'key' = '9'"
+            "SELECT count(*) FROM lapse.kind_outbox WHERE kind = 'deadline' AND payload->>'key' = '9'"
         )
         .await,
         1
@@ -643,14 +693,40 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
         count(&db, "SELECT count(*) FROM lapse.deadlines WHERE in_tiers").await,
         1
     );
-    // lapse created nothing in the shop's schema.
+    // lapse created nothing outside its schema: every table, view, sequence and
+    // function outside `lapse` is the shop's.
     assert_eq!(
         count(
             &db,
-            "SELECT count(*) FROM pg_tables WHERE schemaname = 'lapse'"
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname NOT IN ('lapse', 'pg_catalog', 'information_schema', 'pg_toast')
+                AND n.nspname NOT LIKE 'pg_temp%' AND n.nspname NOT LIKE 'pg_toast_temp%'
+                AND c.relname NOT LIKE 't\\_order%' AND c.relname NOT LIKE 't\\_delivery%'"
         )
         .await,
-        2
+        0
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+              WHERE n.nspname NOT IN ('lapse', 'pg_catalog', 'information_schema')"
+        )
+        .await,
+        0
+    );
+    // A kind with deadlines keeps its key type: its keys are stored in that form.
+    let mut changed = config.clone();
+    changed.kinds.get_mut("auto_confirm").unwrap().key_type = KeyType::Uuid;
+    let refused = lapse::db::migrate_with_settings(
+        &changed.database.url,
+        &lapse::db::Settings::from_config(&changed),
+    )
+    .await
+    .expect_err("a key type change");
+    assert!(
+        refused.to_string().contains("kinds.auto_confirm.key_type"),
+        "{refused}"
     );
     env.cleanup().await;
 }
@@ -659,6 +735,12 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
 async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
     let env = TestEnv::with_database(&["1s"]).await;
     env.db().await.batch_execute(SHOP).await.unwrap();
+    // A row every action below would change if it ran.
+    env.db()
+        .await
+        .batch_execute("INSERT INTO t_order (order_no, user_id, expire_at) VALUES ('x', 1, now())")
+        .await
+        .unwrap();
     let cases = [
         (
             "syntax",
@@ -715,6 +797,8 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
         toml += &format!("[kinds.{name}]\nkey_type = {key_type:?}\naction = {action:?}\n");
     }
     toml += &format!("[kinds.good]\naction = {CLOSE:?}\n");
+    // Valid, and it would change the row above whatever key it ran with.
+    toml += "[kinds.greedy]\naction = \"UPDATE t_order SET order_status = 7 WHERE order_no <> $1 OR true RETURNING order_no\"\n";
     env.write_config(&toml);
     let out = env.lapse(&["kinds", "check"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
@@ -727,6 +811,7 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
         assert!(line.contains(words), "{key}: {line}");
     }
     assert!(ok.contains("kind good: returns order_no, user_id"), "{ok}");
+    assert!(ok.contains("kind greedy: returns order_no"), "{ok}");
 
     // A worker with one bad kind does not start, naming it.
     let mut config = env.config();
@@ -742,10 +827,14 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
             .err()
             .expect("refused");
     assert!(error.to_string().contains("kinds.two.action"), "{error}");
-    // Nothing of the checks was executed.
+    // Nothing of the checks was executed: the row is as it was.
     assert_eq!(
-        count(&env.db().await, "SELECT count(*) FROM t_order").await,
-        0
+        count(
+            &env.db().await,
+            "SELECT count(*) FROM t_order WHERE order_no = 'x' AND order_status = 0 AND user_id = 1"
+        )
+        .await,
+        1
     );
     env.cleanup().await;
 }
@@ -754,7 +843,7 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
 /// schedules, its payment cancels, and the action's own UPDATE (which fires the same
 /// trigger) still records the deadline as fired.
 const TRIGGER: &str = "
-CREATE FUNCTION shop_order_deadline() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION public.shop_order_deadline() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'INSERT' AND NEW.order_status = 0 THEN
         PERFORM lapse.schedule('order_close', NEW.order_no, NEW.expire_at);
@@ -766,7 +855,7 @@ BEGIN
     RETURN NULL;
 END $$;
 CREATE TRIGGER t_order_deadline AFTER INSERT OR UPDATE OF order_status, expire_at
-    ON t_order FOR EACH ROW EXECUTE FUNCTION shop_order_deadline();";
+    ON public.t_order FOR EACH ROW EXECUTE FUNCTION public.shop_order_deadline();";
 
 #[tokio::test]
 async fn the_trigger_recipe_needs_no_application_change() {
@@ -969,7 +1058,9 @@ async fn the_backstop_fires_a_deadline_whose_timeout_was_lost() {
     let mut db = shop_database(&env, &config).await;
     place_order(&mut db, "lost", 100).await;
     // The timeout never reaches the broker.
-    db.batch_execute("DELETE FROM outbox").await.unwrap();
+    db.batch_execute("DELETE FROM lapse.kind_outbox")
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
     let running = env.start(&config).await;
     eventually(

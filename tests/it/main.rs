@@ -51,3 +51,4 @@ mod status;
 mod tcp_proxy;
 mod tls;
 mod topology;
+mod upgrade;

@@ -12,9 +12,10 @@ use crate::helpers::{TestEnv, assert_never_early, count, eventually, wait_releas
 use crate::private_pg::PrivatePostgres;
 
 async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
+    let (client, connection) =
+        tokio_postgres::connect(&crate::helpers::on_lapse_path(url), tokio_postgres::NoTls)
+            .await
+            .unwrap();
     tokio::spawn(connection);
     client
 }

@@ -105,7 +105,8 @@ async fn sslmode_and_sslrootcert_are_honoured_and_the_pipeline_runs_over_tls() {
     let mut config = env.config();
     config.database.url = Secret::new(url.clone());
     let worker = env.start(&config).await;
-    let target = lapse::db::pg_config(&Secret::new(url)).unwrap();
+    let mut target = lapse::db::pg_config(&Secret::new(url)).unwrap();
+    lapse::db::with_search_path(&mut target);
     let (mut db, connection) = lapse::db::connect(&target).await.unwrap();
     tokio::spawn(connection);
     let line = [Line {

@@ -87,15 +87,21 @@ async fn payments_racing_closes_through_pgbouncer_in_transaction_mode() {
         sku: "pooled".into(),
         qty: 2,
     }];
-    let client = pool.get().await.unwrap();
-    lapse::orders::ensure_stock(&**client, &["pooled".to_string()], 1_000_000)
+    // In the application's transactions (which find lapse's schema), as behind any
+    // pooler in transaction mode.
+    let mut client = pool.get().await.unwrap();
+    let tx = lapse::db::begin(&mut client, pool.limits()).await.unwrap();
+    lapse::orders::ensure_stock(&tx, &["pooled".to_string()], 1_000_000)
         .await
         .unwrap();
+    tx.commit().await.unwrap();
     let mut ids = Vec::new();
     for _ in 0..ORDERS {
-        let id = lapse::orders::create(&**client, Deadline::In(Duration::from_secs(3)), &lines)
+        let tx = lapse::db::begin(&mut client, pool.limits()).await.unwrap();
+        let id = lapse::orders::create(&tx, Deadline::In(Duration::from_secs(3)), &lines)
             .await
             .unwrap();
+        tx.commit().await.unwrap();
         ids.push(id.0);
     }
     drop(client);

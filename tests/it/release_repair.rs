@@ -22,9 +22,10 @@ fn line(sku: &str) -> Vec<Line> {
 }
 
 async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
+    let (client, connection) =
+        tokio_postgres::connect(&crate::helpers::on_lapse_path(url), tokio_postgres::NoTls)
+            .await
+            .unwrap();
     tokio::spawn(connection);
     client
 }

@@ -61,9 +61,10 @@ async fn all_closed(db: &tokio_postgres::Client) -> Option<()> {
 }
 
 async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
+    let (client, connection) =
+        tokio_postgres::connect(&crate::helpers::on_lapse_path(url), tokio_postgres::NoTls)
+            .await
+            .unwrap();
     tokio::spawn(connection);
     client
 }

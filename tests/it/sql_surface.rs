@@ -1,6 +1,6 @@
 //! The SQL functions applications call, against what an application's session may
-//! hold: a temp table or an earlier schema shadowing lapse's tables, a role that may
-//! not create in `public`; and a refused payment retried after its refund was made.
+//! hold: a temp table or an earlier schema shadowing lapse's tables (the schema
+//! `lapse`), a role that may not create in `public`; and a refused payment retried after its refund was made.
 
 use std::time::Duration;
 
@@ -9,9 +9,9 @@ use lapse::orders::{self, PayOutcome};
 use crate::helpers::{TestEnv, count, create_orders, eventually};
 
 /// Orders (by the function) whose timeout intent is in lapse's own outbox.
-async fn intents_in_public_outbox(db: &tokio_postgres::Client, id: i64) -> i64 {
+async fn intents_in_lapse_outbox(db: &tokio_postgres::Client, id: i64) -> i64 {
     db.query_one(
-        "SELECT count(*) AS n FROM public.outbox WHERE order_id = $1 AND kind = 'timeout'",
+        "SELECT count(*) AS n FROM lapse.outbox WHERE order_id = $1 AND kind = 'timeout'",
         &[&id],
     )
     .await
@@ -37,7 +37,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
 
     // A temp table named like lapse's outbox: pg_temp is searched first unless named.
     let tx = db.transaction().await.unwrap();
-    tx.batch_execute("CREATE TEMP TABLE outbox (LIKE public.outbox INCLUDING DEFAULTS)")
+    tx.batch_execute("CREATE TEMP TABLE outbox (LIKE lapse.outbox INCLUDING DEFAULTS)")
         .await
         .unwrap();
     let id = create_in(&tx).await;
@@ -48,7 +48,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
         .get("n");
     tx.commit().await.unwrap();
     assert_eq!(shadowed, 0, "nothing went to the temp table");
-    assert_eq!(intents_in_public_outbox(&db, id).await, 1);
+    assert_eq!(intents_in_lapse_outbox(&db, id).await, 1);
 
     // An application schema with its own `orders` and `outbox` first in the path, and a
     // role that may not create anything in `public`.
@@ -56,18 +56,19 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     db.batch_execute(&format!(
         "CREATE SCHEMA app;
          CREATE TABLE app.orders (id bigserial PRIMARY KEY, note text);
-         CREATE TABLE app.outbox (LIKE public.outbox INCLUDING DEFAULTS);
+         CREATE TABLE app.outbox (LIKE lapse.outbox INCLUDING DEFAULTS);
          CREATE ROLE {role};
          REVOKE CREATE ON SCHEMA public FROM PUBLIC;
          GRANT USAGE, CREATE ON SCHEMA app TO {role};
-         GRANT ALL ON ALL TABLES IN SCHEMA public, app TO {role};
-         GRANT ALL ON ALL SEQUENCES IN SCHEMA public, app TO {role};"
+         GRANT USAGE ON SCHEMA lapse TO {role};
+         GRANT ALL ON ALL TABLES IN SCHEMA lapse, app TO {role};
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA lapse, app TO {role};"
     ))
     .await
     .unwrap();
     let tx = db.transaction().await.unwrap();
     tx.batch_execute(&format!(
-        "SET LOCAL ROLE {role}; SET LOCAL search_path = app, public"
+        "SET LOCAL ROLE {role}; SET LOCAL search_path = app, lapse"
     ))
     .await
     .unwrap();
@@ -79,13 +80,13 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
         .get("r");
     tx.commit().await.unwrap();
     assert_eq!(paid, "PAID");
-    assert_eq!(intents_in_public_outbox(&db, id).await, 1);
+    assert_eq!(intents_in_lapse_outbox(&db, id).await, 1);
     assert_eq!(count(&db, "SELECT count(*) FROM app.outbox").await, 0);
     assert_eq!(count(&db, "SELECT count(*) FROM app.orders").await, 0);
     assert_eq!(
         count(
             &db,
-            &format!("SELECT count(*) FROM public.orders WHERE id = {id} AND status = 'PAID'")
+            &format!("SELECT count(*) FROM lapse.orders WHERE id = {id} AND status = 'PAID'")
         )
         .await,
         1
@@ -95,8 +96,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     let unpinned: Vec<String> = db
         .query(
             "SELECT p.oid::regprocedure::text AS f FROM pg_proc p
-              WHERE (p.proname LIKE 'lapse\\_%' AND p.pronamespace = 'public'::regnamespace
-                     OR p.pronamespace = 'lapse'::regnamespace)
+              WHERE p.pronamespace = 'lapse'::regnamespace
                 AND NOT coalesce(p.proconfig::text LIKE '%search_path=pg_catalog,%', false)",
             &[],
         )
@@ -111,7 +111,7 @@ async fn the_functions_write_lapses_tables_whatever_the_callers_search_path() {
     );
     let pinned = count(
         &db,
-        "SELECT count(*) FROM pg_proc WHERE proname LIKE 'lapse\\_%' AND pronamespace = 'public'::regnamespace",
+        "SELECT count(*) FROM pg_proc WHERE proname LIKE 'lapse\\_%' AND pronamespace = 'lapse'::regnamespace",
     )
     .await;
     assert!(pinned >= 3, "{pinned} lapse functions");

@@ -155,6 +155,8 @@ impl Decider {
             .filter_map(|(shard, s)| s.as_ref().ok().map(|s| (*shard, s)))
             .map(|(shard, s)| (shard, s.closed.iter().map(|c| c.order_id).collect()))
             .collect();
+        // Deadline ids and order ids are apart (two sequences): each has its own set.
+        let mut fired_ids: HashMap<u16, HashSet<i64>> = HashMap::new();
         let actions = messages
             .iter()
             .map(|m| match m {
@@ -167,6 +169,9 @@ impl Decider {
                 }
                 Ok(m) => match snapshots.get(&m.shard) {
                     None => park(&self.unknown_shard(m.shard), "unknown_shard"),
+                    Some(Ok(snap)) if m.deadline().is_some() => {
+                        self.classify_deadline(m, snap, fired_ids.entry(m.shard).or_default())
+                    }
                     Some(Ok(snap)) => {
                         self.classify(m, snap, closed_ids.entry(m.shard).or_default())
                     }
@@ -308,9 +313,6 @@ impl Decider {
         snap: &Snapshot,
         closed_ids: &mut HashSet<i64>,
     ) -> Action {
-        if m.deadline().is_some() {
-            return self.classify_deadline(m, snap, closed_ids);
-        }
         let order = match snap.orders.get(&m.order_id) {
             None => return Action::Ack(Outcome::Missing),
             Some(Err(reason)) => return park(reason, "bad_deadline"),
@@ -342,7 +344,8 @@ impl Decider {
     }
 
     /// [`Decider::classify`] for the timeout of a kind's deadline: the same table, with
-    /// the deadline's state and the verdict of its action.
+    /// the deadline's state and the verdict of its action. `fired_ids` holds the
+    /// deadlines of this batch already credited to a delivery (a duplicate is settled).
     fn classify_deadline(
         &self,
         m: &TimeoutMessage,

@@ -399,7 +399,7 @@ fn a_kinds_deadline_follows_the_same_table_with_its_actions_verdict() {
             verdicts: verdict.map(|v| (7, v)).into_iter().collect(),
             ..Default::default()
         };
-        shown(&d.classify(&m, &snap, &mut HashSet::new()))
+        shown(&d.classify_deadline(&m, &snap, &mut HashSet::new()))
     };
     let fired = Verdict::Fired {
         expire_at: due,

@@ -40,9 +40,10 @@ pub async fn sample(pool: &Pool) -> Result<Backlog, crate::db::DbError> {
     let row = tx
         .query_typed_one(
             &format!(
-                "SELECT (SELECT count(*) FROM outbox) AS waiting,
+                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM lapse.kind_outbox) AS waiting,
                         (SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8
-                           FROM outbox) AS oldest_s,
+                           FROM (SELECT created_at FROM outbox
+                                 UNION ALL SELECT created_at FROM lapse.kind_outbox) o) AS oldest_s,
                         (SELECT count(*) FROM (SELECT 1 FROM orders
                                                 WHERE status = 'UNPAID' AND expire_at <= now() AND {sane}
                                                 LIMIT $1) o) AS overdue,

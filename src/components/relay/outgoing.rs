@@ -31,6 +31,8 @@ pub(super) struct OutboxRow {
 /// A row ready to publish.
 pub(super) struct RowPublish {
     pub outbox_id: i64,
+    /// The outbox it came from (ids of the two are apart).
+    pub source: super::Source,
     pub message: Outgoing,
     /// The timeline event of a timeout's first hop.
     pub hop: Option<Hop>,
@@ -59,7 +61,17 @@ impl Relay {
     /// a publish. A row whose values cannot be decoded, or whose payload is not a
     /// timeout intent, is published to the parked queue with the reason (and deleted
     /// only after that publish is confirmed), never dropped and never a panic.
-    pub(super) fn decode(&self, r: &tokio_postgres::Row) -> Result<RowPublish, DbError> {
+    pub(super) fn decode(
+        &self,
+        r: &tokio_postgres::Row,
+        source: super::Source,
+    ) -> Result<RowPublish, DbError> {
+        let mut publish = self.decode_row(r)?;
+        publish.source = source;
+        Ok(publish)
+    }
+
+    fn decode_row(&self, r: &tokio_postgres::Row) -> Result<RowPublish, DbError> {
         let outbox_id: i64 = column(r, "id")?;
         let attempts = column::<i32>(r, "attempts")
             .ok()
@@ -106,6 +118,7 @@ impl Relay {
         tracing::warn!(outbox_id, order_id, %reason, "relay: parking an outbox row");
         RowPublish {
             outbox_id,
+            source: super::Source::Outbox,
             message: Outgoing::new(
                 self.names.parked(),
                 String::new(),
@@ -155,6 +168,7 @@ impl Relay {
         };
         RowPublish {
             outbox_id,
+            source: super::Source::Outbox,
             shop_exchange: Some(exchange.clone()),
             message: Outgoing::new(
                 exchange,
@@ -199,6 +213,7 @@ impl Relay {
             };
             return RowPublish {
                 outbox_id,
+                source: super::Source::Outbox,
                 message: Outgoing::new(
                     self.names.events_exchange(),
                     STOCK_RELEASE_ROUTING_KEY,
@@ -252,6 +267,7 @@ impl Relay {
                     .then(|| Hop::of(&message, route.tier.map(|t| t.name()), "relay"));
                 RowPublish {
                     outbox_id,
+                    source: super::Source::Outbox,
                     hop,
                     message: Outgoing::new(
                         route.exchange,
