@@ -98,6 +98,31 @@ pub struct Relay {
     pub component: &'static str,
     /// The `shard` label of its database gauges; `None` without shards.
     pub shard_label: Option<String>,
+    /// Whether this database has the kinds' outbox yet.
+    pub kind_outbox: KindOutbox,
+}
+
+/// Whether `lapse.kind_outbox` exists, asked each round until it does, then
+/// remembered (a table lapse created is not dropped under a running worker).
+#[derive(Clone, Default)]
+pub struct KindOutbox(Arc<std::sync::atomic::AtomicBool>);
+
+impl KindOutbox {
+    async fn exists(&self, tx: &tokio_postgres::Transaction<'_>) -> Result<bool, DbError> {
+        use std::sync::atomic::Ordering;
+        if self.0.load(Ordering::Relaxed) {
+            return Ok(true);
+        }
+        let row = tx
+            .query_typed_one(
+                "SELECT to_regclass('lapse.kind_outbox') IS NOT NULL AS present",
+                &[],
+            )
+            .await?;
+        let present: bool = crate::db::column(&row, "present")?;
+        self.0.store(present, Ordering::Relaxed);
+        Ok(present)
+    }
 }
 
 impl Relay {
@@ -107,6 +132,7 @@ impl Relay {
             shard: 0,
             component: "relay",
             shard_label: None,
+            kind_outbox: KindOutbox::default(),
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
             names: config.names(),
             tiers,
@@ -136,17 +162,20 @@ impl Relay {
                 &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
             )
             .await?;
-        // Kinds' intents and events wait in an outbox of their own, half a batch at a
-        // time at most when both have work.
-        let kind_rows = tx
-            .query_typed(
+        // Kinds' intents and events wait in an outbox of their own (once this database
+        // has it: a worker may run before `lapse migrate` brought migration V14).
+        let kind_rows = if !self.kind_outbox.exists(&tx).await? {
+            Vec::new()
+        } else {
+            tx.query_typed(
                 "SELECT id, kind, deadline_id AS order_id, payload, now() AS db_now, created_at, attempts
                    FROM lapse.kind_outbox
                   WHERE not_before <= now()
                   ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
-                &[(&self.batch_size.max(2), tokio_postgres::types::Type::INT8)],
+                &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
             )
-            .await?;
+            .await?
+        };
         if rows.is_empty() && kind_rows.is_empty() {
             return Ok(RelayOutcome::Idle);
         }

@@ -162,7 +162,29 @@ pub async fn fire(
     tx.batch_execute(&format!("SET LOCAL search_path = {}", db::SEARCH_PATH))
         .await?;
     verdicts.extend(done.record(tx, catalog).await?);
+    count(rows, &verdicts);
     Ok(verdicts)
+}
+
+/// `lapse_kind_fires_total` for the actions that ran (counted once the statements of
+/// the batch are written; a batch whose commit then fails is counted all the same).
+fn count(rows: &HashMap<i64, Result<DeadlineRow, String>>, verdicts: &HashMap<i64, Verdict>) {
+    for (id, verdict) in verdicts {
+        let outcome = match verdict {
+            Verdict::Fired { .. } => "fired",
+            Verdict::Nothing => "nothing",
+            Verdict::Park(_) => "failed",
+            Verdict::Locked => continue,
+        };
+        if let Some(Ok(row)) = rows.get(id) {
+            metrics::counter!(
+                crate::observe::metric_catalog::KIND_FIRES,
+                "kind" => row.kind.clone(),
+                "outcome" => outcome
+            )
+            .increment(1);
+        }
+    }
 }
 
 async fn set_lock_timeout(tx: &Transaction<'_>, wait: Duration) -> Result<(), DbError> {

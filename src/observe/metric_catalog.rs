@@ -42,6 +42,9 @@ pub const RETENTION_PRUNED: &str = "lapse_retention_pruned_total";
 /// tables with them).
 pub const RETENTION_TABLES: [&str; 3] = ["timeline", "ledger", "late_payments"];
 pub const PARKED_ENTRIES: &str = "lapse_parked_entries";
+pub const KIND_FIRES: &str = "lapse_kind_fires_total";
+/// The `outcome` label values of [`KIND_FIRES`].
+pub const KIND_FIRE_OUTCOMES: [&str; 3] = ["fired", "nothing", "failed"];
 
 /// Histogram buckets of [`CLOSE_LATENESS`] and [`LIMITER_WAIT`]: 1 ms to 60 s.
 pub const LATENESS_BUCKETS: [f64; 16] = [
@@ -66,6 +69,16 @@ pub fn describe() {
     }
     for table in RETENTION_TABLES {
         metrics::counter!(RETENTION_PRUNED, "table" => table).increment(0);
+    }
+}
+
+/// Starts the per-kind counters at 0 for the kinds a worker knows.
+pub fn describe_kinds<'a>(kinds: impl IntoIterator<Item = &'a str>) {
+    for kind in kinds {
+        for outcome in KIND_FIRE_OUTCOMES {
+            metrics::counter!(KIND_FIRES, "kind" => kind.to_string(), "outcome" => outcome)
+                .increment(0);
+        }
     }
 }
 
@@ -195,6 +208,11 @@ fn describe_all() {
         PARKED_ENTRIES,
         Unit::Count,
         "Parked messages in the parked book (lapse_parked), by cause, sampled every 5 s by every worker's archiver; `lapse parked counts` lists them."
+    );
+    describe_counter!(
+        KIND_FIRES,
+        Unit::Count,
+        "Deadlines of kinds whose action ran, by kind and outcome (fired: it changed its row; nothing: it changed none; failed: rolled back and parked)."
     );
     describe_counter!(
         RETENTION_PRUNED,

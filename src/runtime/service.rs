@@ -66,7 +66,9 @@ impl Stopped {
 /// database (docs/adopting.md): the error names the kind and the key.
 async fn check_kinds(config: &Config, schemas: &db::Schemas) -> Result<(), ServiceError> {
     let catalog = crate::kinds::Catalog::new(&config.kinds);
-    if catalog.is_empty() || !config.worker.consumer {
+    crate::observe::metric_catalog::describe_kinds(catalog.iter().map(|k| k.name.as_str()));
+    // The consumer fires kinds, and so does the backstop (with the sweeper).
+    if catalog.is_empty() || !(config.worker.consumer || config.worker.sweeper) {
         return Ok(());
     }
     for shard in config.database.shard_list() {

@@ -1017,8 +1017,37 @@ async fn a_deadline_beyond_the_top_tier_waits_in_the_database_until_within_range
         count(&db, "SELECT count(*) FROM lapse.deadlines WHERE in_tiers").await,
         3
     );
-    // A reschedule far away takes a deadline out of the tiers again (its message in
-    // flight is stale), and one near hands it over at once.
+    // One near is handed over at once; a reschedule far away takes it out of the
+    // tiers again, and its message in flight, now stale, fires nothing.
+    db.batch_execute(
+        "INSERT INTO t_delivery VALUES (10001, 'SO-10001', NULL);
+         SELECT lapse.schedule('auto_confirm', '10001', now() + interval '1 second')",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE key = '10001' AND in_tiers"
+        )
+        .await,
+        1
+    );
+    db.batch_execute("SELECT lapse.reschedule('auto_confirm', '10001', now() + interval '1 hour')")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines d JOIN t_delivery t ON t.id = 10001
+              WHERE d.key = '10001' AND d.state = 'pending' AND NOT d.in_tiers
+                AND d.version = 2 AND t.confirmed_at IS NULL"
+        )
+        .await,
+        1
+    );
+    // A deadline that fired is armed again far away: back in the database only.
     db.batch_execute(
         "SELECT lapse.schedule('auto_confirm', '1', now() + interval '1 hour');
          SELECT lapse.reschedule('auto_confirm', '4', now() + interval '2 hours');",
@@ -1038,8 +1067,8 @@ async fn a_deadline_beyond_the_top_tier_waits_in_the_database_until_within_range
     let status: Value = serde_json::from_str(&stdout(&out)).expect("status JSON");
     let kinds = &status["kinds"];
     assert_eq!(kinds[0]["kind"], "auto_confirm", "{kinds}");
-    assert_eq!(kinds[0]["pending"], 9_998, "{kinds}");
-    assert_eq!(kinds[0]["in_database"], 9_998, "{kinds}");
+    assert_eq!(kinds[0]["pending"], 9_999, "{kinds}");
+    assert_eq!(kinds[0]["in_database"], 9_999, "{kinds}");
     assert_eq!(kinds[0]["overdue"], 0, "{kinds}");
     assert!(running.stop().await.is_empty());
     env.cleanup().await;

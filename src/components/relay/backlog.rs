@@ -40,10 +40,9 @@ pub async fn sample(pool: &Pool) -> Result<Backlog, crate::db::DbError> {
     let row = tx
         .query_typed_one(
             &format!(
-                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM lapse.kind_outbox) AS waiting,
+                "SELECT (SELECT count(*) FROM outbox) AS waiting,
                         (SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)), 0)::float8
-                           FROM (SELECT created_at FROM outbox
-                                 UNION ALL SELECT created_at FROM lapse.kind_outbox) o) AS oldest_s,
+                           FROM outbox) AS oldest_s,
                         (SELECT count(*) FROM (SELECT 1 FROM orders
                                                 WHERE status = 'UNPAID' AND expire_at <= now() AND {sane}
                                                 LIMIT $1) o) AS overdue,
@@ -53,11 +52,14 @@ pub async fn sample(pool: &Pool) -> Result<Backlog, crate::db::DbError> {
             &[(&OVERDUE_COUNT_CAP, tokio_postgres::types::Type::INT8)],
         )
         .await?;
+    // The kinds' outbox too, where this database has it (migration V14).
+    let (kind_rows, kind_oldest_ms, _) = crate::kinds::status::outbox(&tx).await?;
     tx.commit().await?;
     let column = |name: &str| crate::db::column::<f64>(&row, name);
+    let kind_oldest_s = kind_oldest_ms.unwrap_or(0.0) / 1000.0;
     Ok(Backlog {
-        outbox_rows: crate::db::column(&row, "waiting")?,
-        outbox_oldest_s: column("oldest_s")?.max(0.0),
+        outbox_rows: crate::db::column::<i64>(&row, "waiting")? + kind_rows,
+        outbox_oldest_s: column("oldest_s")?.max(kind_oldest_s).max(0.0),
         overdue: crate::db::column(&row, "overdue")?,
         overdue_oldest_s: column("overdue_s")?.max(0.0),
     })
