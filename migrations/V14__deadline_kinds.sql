@@ -44,8 +44,9 @@ CREATE TABLE lapse.deadlines (
     outcome     text        CHECK (outcome IN ('fired', 'nothing', 'cancelled')),
     scheduled_at timestamptz NOT NULL DEFAULT now(),
     settled_at  timestamptz,
-    -- Why the last attempt to fire did not (a statement error, too many rows).
+    -- Why the last attempt to fire did not (a statement error, too many rows), and when.
     last_error  text,
+    failed_at   timestamptz,
     -- Handed to the broker (an intent written); false while it waits for the promoter.
     in_tiers    boolean     NOT NULL DEFAULT true,
     UNIQUE (kind, key),
@@ -132,7 +133,8 @@ BEGIN
     VALUES (p_kind, v_key, v_expire)
     ON CONFLICT (kind, key) DO UPDATE
        SET expire_at = EXCLUDED.expire_at, version = d.version + 1, state = 'pending',
-           outcome = NULL, scheduled_at = now(), settled_at = NULL, last_error = NULL
+           outcome = NULL, scheduled_at = now(), settled_at = NULL, last_error = NULL,
+           failed_at = NULL
      WHERE d.state <> 'pending'
     RETURNING id, version INTO v_id, v_version;
     IF v_id IS NULL THEN
@@ -171,7 +173,8 @@ BEGIN
         RAISE EXCEPTION 'deadline % % is at %: a reschedule must be later (got %)',
             p_kind, quote_literal(v_key), v_current, v_expire USING ERRCODE = 'LP002';
     END IF;
-    UPDATE lapse.deadlines SET expire_at = v_expire, version = version + 1
+    UPDATE lapse.deadlines
+       SET expire_at = v_expire, version = version + 1, last_error = NULL, failed_at = NULL
      WHERE id = v_id RETURNING version INTO v_version;
     UPDATE lapse.deadlines SET in_tiers = lapse.intent(v_id, p_kind, v_key, v_expire, v_version)
      WHERE id = v_id;
@@ -193,7 +196,8 @@ END $$;
 -- the deadline first (the order the firing transaction takes its locks in), and
 -- cancels it only while it is pending and its instant has not passed by the real
 -- clock. True: the caller may accept the payment in the same transaction; false: too
--- late (or already settled), refuse it.
+-- late (or already settled), refuse it; NULL: no deadline was ever scheduled for this
+-- key (an order from before lapse was adopted): the shop's own rules decide.
 CREATE FUNCTION lapse.settle(p_kind text, p_key text)
 RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
@@ -202,6 +206,9 @@ BEGIN
     SELECT id INTO v_id FROM lapse.deadlines
      WHERE kind = p_kind AND key = lapse.checked_key(p_kind, p_key)
        FOR UPDATE;
+    IF v_id IS NULL THEN
+        RETURN NULL;
+    END IF;
     UPDATE lapse.deadlines
        SET state = 'cancelled', outcome = 'cancelled', settled_at = clock_timestamp()
      WHERE id = v_id AND state = 'pending' AND expire_at > clock_timestamp();

@@ -31,7 +31,7 @@ pub enum KindsCommand {
 
 pub async fn run(config: &Config, command: KindsCommand) -> anyhow::Result<ExitStatus> {
     let KindsCommand::Check { json } = command;
-    let catalog = Catalog::new(&config.kinds);
+    let catalog = Catalog::new(&config.kinds, &config.database.shop_search_path);
     if catalog.is_empty() {
         if json {
             print_json(&serde_json::json!({ "kinds": [] }))?;

@@ -164,6 +164,10 @@ impl Relay {
             .await?;
         // Kinds' intents and events wait in an outbox of their own (once this database
         // has it: a worker may run before `lapse migrate` brought migration V14).
+        // What the round has room for, and at least a quarter of a batch so that a
+        // busy outbox never starves the kinds': at most 1.25 batches per round.
+        let room = self.batch_size - i64::try_from(rows.len()).unwrap_or(i64::MAX);
+        let kind_limit = room.max(self.batch_size / 4).max(1);
         let kind_rows = if !self.kind_outbox.exists(&tx).await? {
             Vec::new()
         } else {
@@ -172,7 +176,7 @@ impl Relay {
                    FROM lapse.kind_outbox
                   WHERE not_before <= now()
                   ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
-                &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
+                &[(&kind_limit, tokio_postgres::types::Type::INT8)],
             )
             .await?
         };

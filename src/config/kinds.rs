@@ -108,6 +108,48 @@ pub fn validate(kinds: &Kinds) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `database.shop_search_path` when not set: the shop's tables in `public`.
+pub fn default_shop_search_path() -> String {
+    "public".into()
+}
+
+/// A list of schema names (plain identifiers or `"$user"`), without lapse's own
+/// schema: a kind's action must never resolve a name into lapse's tables (the example
+/// shop has an `orders` table too).
+pub fn validate_shop_search_path(path: &str) -> Result<(), ConfigError> {
+    let key = "database.shop_search_path";
+    let schemas: Vec<&str> = path.split(',').map(str::trim).collect();
+    if schemas.iter().any(|s| s.is_empty()) {
+        return Err(ConfigError::new(
+            key,
+            "must be a comma-separated list of schema names, e.g. \"public\" or \"shop, public\"",
+        ));
+    }
+    for schema in &schemas {
+        let plain = schema.trim_matches('"');
+        let identifier = !plain.is_empty()
+            && plain
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
+        if !identifier {
+            return Err(ConfigError::new(
+                key,
+                format!("{schema:?} is not a schema name (letters, digits, _ or \"$user\")"),
+            ));
+        }
+        if plain.eq_ignore_ascii_case("lapse") || plain == "$user" {
+            return Err(ConfigError::new(
+                key,
+                format!(
+                    "must not name {schema}: a kind's action would then find lapse's own tables \
+                     (its example shop has `orders`, `stock`, ...) before the shop's"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The action as it is run: without surrounding blanks and trailing semicolons.
 pub fn statement(action: &str) -> &str {
     action.trim().trim_end_matches(';').trim_end()
@@ -138,6 +180,23 @@ mod tests {
         assert_eq!(validate(&empty).unwrap_err().key, "kinds.a.action");
         let two = Kinds::from([("a".into(), kind("UPDATE t SET a = 1; DELETE FROM t"))]);
         assert_eq!(validate(&two).unwrap_err().key, "kinds.a.action");
+    }
+
+    #[test]
+    fn the_shop_search_path_never_names_lapse() {
+        validate_shop_search_path("public").unwrap();
+        validate_shop_search_path("shop, public").unwrap();
+        for bad in [
+            "lapse",
+            "public, lapse",
+            "\"$user\", public",
+            "",
+            "public;drop",
+            "a,,b",
+        ] {
+            let e = validate_shop_search_path(bad).unwrap_err();
+            assert_eq!(e.key, "database.shop_search_path", "{bad}");
+        }
     }
 
     #[test]

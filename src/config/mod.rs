@@ -124,6 +124,10 @@ pub struct DatabaseConfig {
     /// bounds any other lock wait).
     #[serde(with = "humantime_serde")]
     pub lock_timeout: Duration,
+    /// The search path a kind's action runs with (and is checked with): the shop's
+    /// schemas, never lapse's (docs/adopting.md).
+    #[serde(default = "kinds::default_shop_search_path")]
+    pub shop_search_path: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -291,6 +295,7 @@ impl Default for Config {
                 pool_size: 8,
                 statement_timeout: Duration::from_secs(30),
                 lock_timeout: Duration::from_secs(5),
+                shop_search_path: kinds::default_shop_search_path(),
             },
             topology: TopologyConfig {
                 file: None,
@@ -367,6 +372,7 @@ impl Config {
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
         retention::validate(&self.retention)?;
         kinds::validate(&self.kinds)?;
+        kinds::validate_shop_search_path(&self.database.shop_search_path)?;
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(
                 "topology.quorum_group_size",

@@ -162,29 +162,43 @@ async fn migrate_locked(
 async fn choose_layout(tx: &tokio_postgres::Transaction<'_>) -> Result<(), DbError> {
     tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", super::SCHEMA))
         .await?;
-    let earlier = tx
-        .query_typed_one(
-            "SELECT to_regclass('public.refinery_schema_history') IS NOT NULL
-                AND to_regclass('lapse.refinery_schema_history') IS NULL AS earlier",
+    // An earlier installation: lapse's migration history next to its settings table,
+    // in a schema other than `lapse` (another tool's history alone is not ours).
+    let rows = tx
+        .query_typed(
+            "SELECT n.nspname AS schema FROM pg_class h
+               JOIN pg_namespace n ON n.oid = h.relnamespace
+              WHERE h.relname = 'refinery_schema_history' AND h.relkind = 'r'
+                AND n.nspname <> 'lapse'
+                AND EXISTS (SELECT 1 FROM pg_class s
+                             WHERE s.relname = 'lapse_settings' AND s.relnamespace = n.oid)
+                AND to_regclass('lapse.refinery_schema_history') IS NULL
+              ORDER BY n.nspname",
             &[],
         )
         .await?;
-    let mut schema = super::SCHEMA;
-    if super::column::<bool>(&earlier, "earlier")? {
-        // Only lapse's own history: another tool's table of the same name is not ours.
-        let ours = tx
-            .query_typed_one(
-                "SELECT EXISTS (SELECT 1 FROM public.refinery_schema_history
-                                 WHERE version = 1 AND name = 'orders') AS ours",
-                &[],
-            )
-            .await?;
-        if super::column::<bool>(&ours, "ours")? {
-            schema = "public";
+    let earlier: Vec<String> = rows
+        .iter()
+        .map(|r| super::column(r, "schema"))
+        .collect::<Result<_, _>>()?;
+    let schema = match earlier.as_slice() {
+        [] => super::SCHEMA.to_string(),
+        [public] if public == "public" => public.clone(),
+        found => {
+            return Err(DbError::Config(format!(
+                "an earlier installation of lapse is in schema {}: this version finds its \
+                 objects in `lapse` or, for an earlier installation, `public` \
+                 (docs/adopting.md, \"What is where\"); move them to one of those \
+                 (ALTER TABLE/FUNCTION ... SET SCHEMA) and migrate again",
+                found.join(", ")
+            )));
         }
-    }
-    tx.batch_execute(&format!("SET LOCAL search_path = {schema}"))
-        .await?;
+    };
+    // The migrations' own notices (`schema "lapse" already exists, skipping`) are noise.
+    tx.batch_execute(&format!(
+        "SET LOCAL search_path = {schema}; SET LOCAL client_min_messages = warning"
+    ))
+    .await?;
     Ok(())
 }
 

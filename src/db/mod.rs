@@ -399,7 +399,7 @@ impl Settings {
         Self {
             deadline_horizon: config.orders.deadline_horizon,
             prefix: config.broker.prefix.clone(),
-            kinds: crate::kinds::Catalog::new(&config.kinds),
+            kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
             promote_within: crate::kinds::promote::within(config),
         }
     }

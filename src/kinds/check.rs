@@ -31,6 +31,8 @@ pub async fn check(
     catalog: &Catalog,
 ) -> Result<Vec<Result<Checked, Problem>>, DbError> {
     let tx = client.transaction().await?;
+    // Prepared as they run: with the shop's schemas on the search path.
+    tx.batch_execute(&catalog.shop_path_sql()).await?;
     let mut results = Vec::new();
     for kind in catalog.iter() {
         tx.batch_execute("SAVEPOINT lapse_check").await?;

@@ -133,13 +133,7 @@ pub async fn fire(
     if mine.is_empty() {
         return Ok(verdicts);
     }
-    // The shop's statements see the connection's own search path, as the shop's
-    // application does (lapse's transactions look into its schema first).
     set_lock_timeout(tx, ACTION_LOCK_WAIT).await?;
-    tx.batch_execute(
-        "SELECT set_config('search_path', reset_val, true) FROM pg_settings WHERE name = 'search_path'",
-    )
-    .await?;
     let mut done = Done::default();
     for id in mine {
         let Some(Ok(row)) = rows.get(&id) else {
@@ -218,7 +212,13 @@ async fn run_action(
         Ok(key) => key,
         Err(e) => return Ok(Outcome::Failed(format!("{what}: {e}"))),
     };
-    tx.batch_execute("SAVEPOINT lapse_action").await?;
+    // The shop's statement sees the shop's schemas (`database.shop_search_path`), set
+    // again for every action: one that changed it must not steer the next.
+    tx.batch_execute(&format!(
+        "SAVEPOINT lapse_action; {}",
+        catalog.shop_path_sql()
+    ))
+    .await?;
     let ran = tx
         .query_typed(
             &kind.wrapped(),
@@ -334,7 +334,7 @@ impl Done {
         }
         if !self.failed_ids.is_empty() {
             tx.execute_typed(
-                "UPDATE lapse.deadlines d SET last_error = x.error
+                "UPDATE lapse.deadlines d SET last_error = x.error, failed_at = clock_timestamp()
                    FROM unnest($1::bigint[], $2::text[]) AS x(id, error) WHERE d.id = x.id",
                 &[
                     (&self.failed_ids, Type::INT8_ARRAY),
@@ -356,7 +356,8 @@ impl Done {
 const FIRED_SQL: &str = "
 WITH f AS (
     UPDATE lapse.deadlines d
-       SET state = 'fired', outcome = x.outcome, settled_at = clock_timestamp(), last_error = NULL
+       SET state = 'fired', outcome = x.outcome, settled_at = clock_timestamp(),
+           last_error = NULL, failed_at = NULL
       FROM unnest($1::bigint[], $2::text[], $3::jsonb[], $7::int[]) AS x(id, outcome, r, v)
      WHERE d.id = x.id AND d.version = x.v
     RETURNING d.id, d.kind, d.key, d.version, d.expire_at, d.settled_at, x.outcome, x.r

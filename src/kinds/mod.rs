@@ -42,38 +42,53 @@ impl Kind {
     }
 }
 
-/// The configured kinds by name; cheap to clone.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Catalog(Arc<BTreeMap<String, Kind>>);
+/// The configured kinds by name, and the search path their actions run with
+/// (`database.shop_search_path`); cheap to clone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Catalog(Arc<(BTreeMap<String, Kind>, String)>);
+
+impl Default for Catalog {
+    fn default() -> Self {
+        Self::new(
+            &Kinds::new(),
+            &crate::config::kinds::default_shop_search_path(),
+        )
+    }
+}
 
 impl Catalog {
-    pub fn new(kinds: &Kinds) -> Self {
-        Self(Arc::new(
-            kinds
-                .iter()
-                .map(|(name, k)| {
-                    let kind = Kind {
-                        name: name.clone(),
-                        key_type: k.key_type,
-                        action: crate::config::kinds::statement(&k.action).to_string(),
-                        event: k.event.clone(),
-                    };
-                    (name.clone(), kind)
-                })
-                .collect(),
-        ))
+    pub fn new(kinds: &Kinds, shop_search_path: &str) -> Self {
+        let kinds = kinds
+            .iter()
+            .map(|(name, k)| {
+                let kind = Kind {
+                    name: name.clone(),
+                    key_type: k.key_type,
+                    action: crate::config::kinds::statement(&k.action).to_string(),
+                    event: k.event.clone(),
+                };
+                (name.clone(), kind)
+            })
+            .collect();
+        Self(Arc::new((kinds, shop_search_path.to_string())))
     }
 
     pub fn get(&self, name: &str) -> Option<&Kind> {
-        self.0.get(name)
+        self.0.0.get(name)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Kind> {
-        self.0.values()
+        self.0.0.values()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.0.0.is_empty()
+    }
+
+    /// `SET LOCAL search_path` to the shop's schemas (validated names), `pg_temp` last
+    /// so that a temporary table never shadows the shop's.
+    pub fn shop_path_sql(&self) -> String {
+        format!("SET LOCAL search_path = {}, pg_temp", self.0.1)
     }
 }
 

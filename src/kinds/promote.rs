@@ -69,7 +69,7 @@ impl Promoter {
     pub fn new(config: &Config, pool: Pool, stats: Stats) -> Self {
         Self {
             pool,
-            kinds: Catalog::new(&config.kinds),
+            kinds: Catalog::new(&config.kinds, &config.database.shop_search_path),
             stats,
             batch_size: config.sweeper.batch_size,
             lease_ttl: config.sweeper.lease,
@@ -88,6 +88,20 @@ impl Promoter {
     ) -> Result<Round, DbError> {
         let mut client = self.pool.get().await?;
         let mut round = Round::default();
+        // Nothing to do on a database `lapse migrate` has not brought to V14 yet.
+        let tx = db::begin_short(&mut client, self.pool.limits(), None).await?;
+        let migrated: bool = db::column(
+            &tx.query_typed_one(
+                "SELECT to_regclass('lapse.deadlines') IS NOT NULL AS migrated",
+                &[],
+            )
+            .await?,
+            "migrated",
+        )?;
+        tx.commit().await?;
+        if !migrated {
+            return Ok(round);
+        }
         if lease.acquire(&mut client, self.pool.limits()).await? {
             round.leader = true;
             round.promoted = self.promote(&mut client, lease).await?;
@@ -127,8 +141,8 @@ impl Promoter {
     }
 
     /// Fires the pending deadlines overdue by more than `grace`, a batch per
-    /// transaction, through the worker's fire path. One whose action failed (parked
-    /// with the reason) is left to `lapse parked replay`, not run again every round.
+    /// transaction, through the worker's fire path. One whose action failed (its
+    /// `last_error` says why) is tried again at most every 5 minutes, not every round.
     async fn backstop(
         &self,
         client: &mut deadpool_postgres::Client,
@@ -148,7 +162,7 @@ impl Promoter {
                 .query_typed(
                     "SELECT id, version FROM lapse.deadlines
                       WHERE state = 'pending' AND in_tiers AND kind = ANY($1)
-                        AND last_error IS NULL
+                        AND (failed_at IS NULL OR failed_at < now() - interval '5 minutes')
                         AND expire_at < now() - $2::bigint * interval '1 millisecond'
                         AND ($3::bigint IS NULL
                              OR (expire_at, id) > ((SELECT expire_at FROM lapse.deadlines WHERE id = $3), $3))

@@ -65,7 +65,7 @@ impl Stopped {
 /// Refuses to start with a kind whose action does not check on a migrated order
 /// database (docs/adopting.md): the error names the kind and the key.
 async fn check_kinds(config: &Config, schemas: &db::Schemas) -> Result<(), ServiceError> {
-    let catalog = crate::kinds::Catalog::new(&config.kinds);
+    let catalog = crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path);
     crate::observe::metric_catalog::describe_kinds(catalog.iter().map(|k| k.name.as_str()));
     // The consumer fires kinds, and so does the backstop (with the sweeper).
     if catalog.is_empty() || !(config.worker.consumer || config.worker.sweeper) {

@@ -31,7 +31,14 @@ CREATE TABLE public.t_delivery (
     id           bigint PRIMARY KEY,
     order_no     text NOT NULL,
     confirmed_at timestamptz
-);";
+);
+-- The shop's own table named like lapse's example shop, of another shape.
+CREATE TABLE public.orders (ref text PRIMARY KEY, amount numeric NOT NULL, state int NOT NULL);
+INSERT INTO public.orders VALUES ('R-1', 12.50, 0), ('R-2', 3, 1);";
+
+/// The shop's `public.orders`, as text, to compare before and after.
+const SHOP_ORDERS: &str =
+    "SELECT string_agg(to_jsonb(o)::text, ',' ORDER BY ref) FROM public.orders o";
 
 fn kind(key_type: KeyType, action: &str, event: Option<(&str, &str)>) -> KindConfig {
     KindConfig {
@@ -177,6 +184,7 @@ async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
         .await
         .unwrap();
 
+    let shop_orders: String = db.query_one(SHOP_ORDERS, &[]).await.unwrap().get(0);
     let running = env.start(&config).await;
     let orders: Vec<String> = (0..20).map(|i| format!("SO-{i:03}")).collect();
     for (i, order_no) in orders.iter().enumerate() {
@@ -295,6 +303,9 @@ async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
     })
     .await;
 
+    // The shop's unrelated `public.orders` is byte-identical.
+    let after: String = db.query_one(SHOP_ORDERS, &[]).await.unwrap().get(0);
+    assert_eq!(shop_orders, after);
     assert!(running.stop().await.is_empty());
     drop(inv);
     drop_database(&inventory).await;
@@ -701,7 +712,8 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
             "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname NOT IN ('lapse', 'pg_catalog', 'information_schema', 'pg_toast')
                 AND n.nspname NOT LIKE 'pg_temp%' AND n.nspname NOT LIKE 'pg_toast_temp%'
-                AND c.relname NOT LIKE 't\\_order%' AND c.relname NOT LIKE 't\\_delivery%'"
+                AND c.relname NOT LIKE 't\\_order%' AND c.relname NOT LIKE 't\\_delivery%'
+                AND c.relname NOT IN ('orders', 'orders_pkey')"
         )
         .await,
         0
@@ -1113,6 +1125,151 @@ async fn the_backstop_fires_a_deadline_whose_timeout_was_lost() {
         )
         .await,
         1
+    );
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_action_naming_orders_means_the_shops_orders_not_lapses_example() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    // Unqualified, as the shop's application writes it: `orders` is public.orders for
+    // the shop, while lapse's own schema has an `orders` table too.
+    config.kinds.insert(
+        "settle_ref".into(),
+        kind(
+            KeyType::Text,
+            "UPDATE orders SET state = 9 WHERE ref = $1 AND state = 0 RETURNING ref, amount",
+            None,
+        ),
+    );
+    let db = shop_database(&env, &config).await;
+    assert_eq!(
+        env.lapse(&["kinds", "check"]).status.code(),
+        Some(0),
+        "checked against the shop's orders"
+    );
+    let running = env.start(&config).await;
+    db.batch_execute("SELECT lapse.schedule('settle_ref', 'R-1', now() + interval '300 ms')")
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the shop's order settled",
+        || async {
+            (count(
+                &db,
+                "SELECT count(*) FROM public.orders WHERE ref = 'R-1' AND state = 9",
+            )
+            .await
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE outcome = 'fired'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM lapse.orders").await, 0);
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+// Over 60 lines on purpose: the race itself (payments fired around each deadline) and the one check that matters, per order.
+#[tokio::test]
+async fn payments_racing_a_kinds_deadline_never_both_win() {
+    let env = TestEnv::with_database(&["250ms", "1s"]).await;
+    let mut config = env.config();
+    config
+        .kinds
+        .insert("order_close".into(), kind(KeyType::Text, CLOSE, None));
+    let mut db = shop_database(&env, &config).await;
+    let orders: Vec<String> = (0..300).map(|i| format!("R-{i:04}")).collect();
+    for (i, order_no) in orders.iter().enumerate() {
+        place_order(&mut db, order_no, 3_000 + 5 * i as i64).await;
+    }
+    let running = env.start(&config).await;
+    let deadlines: Vec<(String, chrono::DateTime<chrono::Utc>)> = db
+        .query(
+            "SELECT key, expire_at FROM lapse.deadlines WHERE kind = 'order_close'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut payments = tokio::task::JoinSet::new();
+    for (i, (order_no, expire_at)) in deadlines.into_iter().enumerate() {
+        // Within ±50 ms of the deadline; every tenth well before it.
+        let offset = if i % 10 == 0 {
+            chrono::Duration::milliseconds(-1_000)
+        } else {
+            chrono::Duration::milliseconds((i as i64 * 37) % 101 - 50)
+        };
+        let url = crate::helpers::on_lapse_path(&env.database_url());
+        payments.spawn(async move {
+            let wait = (expire_at + offset - chrono::Utc::now())
+                .to_std()
+                .unwrap_or_default();
+            tokio::time::sleep(wait).await;
+            let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            (order_no.clone(), pay(&mut client, &order_no).await)
+        });
+    }
+    let mut accepted = BTreeSet::new();
+    while let Some(done) = payments.join_next().await {
+        let (order_no, paid) = done.unwrap();
+        if paid {
+            accepted.insert(order_no);
+        }
+    }
+    eventually(
+        Duration::from_secs(60),
+        "every deadline settled",
+        || async { (pending(&db).await == 0).then_some(()) },
+    )
+    .await;
+    let rows = db
+        .query(
+            "SELECT o.order_no, o.order_status, d.outcome FROM t_order o
+               JOIN lapse.deadlines d ON d.kind = 'order_close' AND d.key = o.order_no",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), orders.len());
+    let (mut paid, mut closed) = (0, 0);
+    for row in &rows {
+        let (order_no, status, outcome): (String, i16, String) =
+            (row.get(0), row.get(1), row.get(2));
+        match (status, outcome.as_str()) {
+            (1, "cancelled") => {
+                assert!(accepted.contains(&order_no), "{order_no} paid but refused");
+                paid += 1;
+            }
+            (4, "fired") => {
+                assert!(
+                    !accepted.contains(&order_no),
+                    "{order_no} closed after its payment was accepted"
+                );
+                closed += 1;
+            }
+            other => panic!("{order_no}: {other:?}: payment and timeout both or neither won"),
+        }
+    }
+    assert!(
+        paid > 0 && closed > 0,
+        "the race had both outcomes: {paid} paid, {closed} closed"
     );
     assert!(running.stop().await.is_empty());
     env.cleanup().await;

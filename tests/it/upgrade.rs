@@ -203,3 +203,46 @@ async fn a_fresh_installation_creates_nothing_outside_its_schema() {
     drop(raw);
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_earlier_installation_in_another_schema_is_refused_not_duplicated() {
+    let mut env = TestEnv::new(&["1s"]).await;
+    env.database = Some(env.prefix.clone());
+    let url = env.database_url();
+    lapse::db::ensure_database(&Secret::new(url.clone()))
+        .await
+        .unwrap();
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin.batch_execute("CREATE SCHEMA shop").await.unwrap();
+    // The earlier version, run by a role whose search path starts with `shop`.
+    let (mut raw, connection) = tokio_postgres::connect(
+        &format!("{url}?options=-c%20search_path%3Dshop"),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    earlier::migrations::runner()
+        .set_target(refinery::Target::Version(BEFORE_KINDS))
+        .run_async(&mut raw)
+        .await
+        .unwrap();
+    let refused = lapse::db::migrate(&Secret::new(url.clone()))
+        .await
+        .expect_err("an installation lapse cannot serve where it is");
+    assert!(refused.to_string().contains("schema shop"), "{refused}");
+    // Nothing was created beside it.
+    assert_eq!(
+        count(
+            &admin,
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'lapse'"
+        )
+        .await,
+        0
+    );
+    drop((raw, admin));
+    env.cleanup().await;
+}

@@ -131,7 +131,7 @@ impl Consumer {
                 lock_retry: w.lock_retry,
                 lock_timeout: config.database.lock_timeout,
                 tier_tolerance: config.relay.tier_tolerance,
-                kinds: crate::kinds::Catalog::new(&config.kinds),
+                kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
             },
             names,
             stats,
