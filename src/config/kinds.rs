@@ -25,6 +25,11 @@ pub struct KindConfig {
     /// Published (at least once, through the outbox) when the action fired.
     #[serde(default)]
     pub event: Option<EventConfig>,
+    /// A second SQL statement of the shop's, with the key as `$1`, run right after the
+    /// action fired, in the same savepoint: an effect in the same database (e.g. a
+    /// stock release). If it fails, the action is rolled back with it.
+    #[serde(default)]
+    pub effect: Option<String>,
 }
 
 /// Where a fired deadline's event goes: the shop's exchange and routing key.
@@ -88,6 +93,21 @@ pub fn validate(kinds: &Kinds) -> Result<(), ConfigError> {
                 key("action"),
                 "must be one statement (no ';' inside it)",
             ));
+        }
+        if let Some(effect) = &kind.effect {
+            let effect = statement(effect);
+            if effect.is_empty() {
+                return Err(ConfigError::new(
+                    key("effect"),
+                    "must not be empty (leave it out for none)",
+                ));
+            }
+            if effect.contains(';') && !effect.contains('\'') && !effect.contains('"') {
+                return Err(ConfigError::new(
+                    key("effect"),
+                    "must be one statement (no ';' inside it)",
+                ));
+            }
         }
         if let Some(event) = &kind.event {
             if event.routing_key.len() > 255 {
@@ -164,6 +184,7 @@ mod tests {
             key_type: KeyType::Text,
             action: action.into(),
             event: None,
+            effect: None,
         }
     }
 

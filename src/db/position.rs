@@ -235,8 +235,9 @@ pub async fn record_list_at(
 }
 
 /// Records `list` as `prefix`'s list in the database `client` is connected to, if
-/// the record is still `read` (what the check saw): two migrations with different
-/// lists, each checked before the other wrote, cannot both record theirs.
+/// the record is still `read` (what the check saw) or already `list`: two migrations
+/// with different lists, each checked before the other wrote, cannot both record
+/// theirs, while two with the same list (two `lapse migrate` at once) both succeed.
 pub async fn record_list<C: tokio_postgres::GenericClient>(
     client: &C,
     prefix: &str,
@@ -249,7 +250,8 @@ pub async fn record_list<C: tokio_postgres::GenericClient>(
         .execute_typed(
             "UPDATE lapse_settings
                 SET shard_lists = jsonb_set(shard_lists, ARRAY[$1::text], $2::jsonb)
-              WHERE (shard_lists -> $1::text) IS NOT DISTINCT FROM $3::jsonb",
+              WHERE (shard_lists -> $1::text) IS NOT DISTINCT FROM $3::jsonb
+                 OR (shard_lists -> $1::text) = $2::jsonb",
             &[
                 (&prefix, Type::TEXT),
                 (&value, Type::JSONB),

@@ -129,10 +129,58 @@ async fn check_one(
             DbError::from(e).detail()
         ));
     }
+    if let Some(effect) = &kind.effect {
+        let checked = check_effect(tx, kind, effect, &wanted).await?;
+        if let Err(problem) = checked {
+            return Ok(Err(problem));
+        }
+    }
     Ok(Ok(Checked {
         kind: kind.name.clone(),
         columns,
     }))
+}
+
+/// The effect prepares with at most one parameter, the key as the kind's type.
+async fn check_effect(
+    tx: &tokio_postgres::Transaction<'_>,
+    kind: &Kind,
+    effect: &str,
+    wanted: &Type,
+) -> Result<Result<(), Problem>, DbError> {
+    let problem = |problem: String| {
+        Ok(Err(Problem {
+            kind: kind.name.clone(),
+            field: "effect",
+            problem,
+        }))
+    };
+    match tx.prepare(effect).await {
+        Ok(plain) if plain.params().len() > 1 => {
+            return problem(format!(
+                "takes {} parameters; an effect takes at most one, the key as $1",
+                plain.params().len()
+            ));
+        }
+        Ok(_) => {}
+        Err(e) if e.code().is_some() => {
+            return problem(format!("does not prepare: {}", DbError::from(e).detail()));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    tx.batch_execute("SAVEPOINT lapse_effect").await?;
+    let typed = tx.prepare_typed(effect, std::slice::from_ref(wanted)).await;
+    tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_effect")
+        .await?;
+    match typed {
+        Ok(_) => Ok(Ok(())),
+        Err(e) if e.code().is_some() => problem(format!(
+            "does not take $1 as {wanted} (kinds.{}.key_type): {}",
+            kind.name,
+            DbError::from(e).detail()
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn type_name(t: &Type) -> String {

@@ -188,6 +188,33 @@ async fn set_lock_timeout(tx: &Transaction<'_>, wait: Duration) -> Result<(), Db
     Ok(())
 }
 
+/// Which of a kind's statements failed.
+enum Failure {
+    Action(tokio_postgres::Error),
+    Effect(tokio_postgres::Error),
+}
+
+impl Failure {
+    fn error(&self) -> &tokio_postgres::Error {
+        match self {
+            Failure::Action(e) | Failure::Effect(e) => e,
+        }
+    }
+
+    fn into_error(self) -> tokio_postgres::Error {
+        match self {
+            Failure::Action(e) | Failure::Effect(e) => e,
+        }
+    }
+
+    fn part(&self) -> &'static str {
+        match self {
+            Failure::Action(_) => "action",
+            Failure::Effect(_) => "effect",
+        }
+    }
+}
+
 enum Outcome {
     Fired(serde_json::Value),
     Nothing,
@@ -228,11 +255,22 @@ async fn run_action(
     // Deferred constraints of the shop's (a deferrable foreign key, a constraint
     // trigger) are checked here, inside the savepoint, not at the batch's commit where
     // they would roll back every other deadline and close with it.
+    // A fired action's effect in the same database runs in the same savepoint: both
+    // or neither.
+    let ran = match (ran, &kind.effect) {
+        (Ok(rows), Some(effect)) if rows.len() == 1 => tx
+            .execute_typed(effect, &[(key.value(), Key::sql_type(kind.key_type))])
+            .await
+            .map(|_| rows)
+            .map_err(Failure::Effect),
+        (ran, _) => ran.map_err(Failure::Action),
+    };
     let ran = match ran {
         Ok(rows) if rows.len() <= 1 => tx
             .batch_execute("SET CONSTRAINTS ALL IMMEDIATE")
             .await
-            .map(|()| rows),
+            .map(|()| rows)
+            .map_err(Failure::Action),
         other => other,
     };
     let outcome = match ran {
@@ -247,8 +285,12 @@ async fn run_action(
             "{what}: the action changed {} rows (at most 1 expected); rolled back",
             rows.len()
         )),
-        Err(e) if e.is_closed() || e.code().is_none() => return Err(e.into()),
-        Err(e) => {
+        Err(failure) if failure.error().is_closed() || failure.error().code().is_none() => {
+            return Err(failure.into_error().into());
+        }
+        Err(failure) => {
+            let part = failure.part();
+            let e = failure.into_error();
             let code = e.code().map(|c| c.code()).unwrap_or_default();
             // A lock the shop holds, or a race lost: try again shortly. A statement
             // timeout is the action's own slowness: parked, with the reason.
@@ -256,7 +298,7 @@ async fn run_action(
                 Outcome::Locked
             } else {
                 Outcome::Failed(format!(
-                    "{what}: the action failed: {}",
+                    "{what}: the {part} failed: {}",
                     DbError::from(e).detail()
                 ))
             }

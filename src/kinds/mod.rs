@@ -29,6 +29,8 @@ pub struct Kind {
     /// The action without trailing semicolons.
     pub action: String,
     pub event: Option<EventConfig>,
+    /// The effect in the same database, without trailing semicolons.
+    pub effect: Option<String>,
 }
 
 impl Kind {
@@ -66,6 +68,10 @@ impl Catalog {
                     key_type: k.key_type,
                     action: crate::config::kinds::statement(&k.action).to_string(),
                     event: k.event.clone(),
+                    effect: k
+                        .effect
+                        .as_deref()
+                        .map(|e| crate::config::kinds::statement(e).to_string()),
                 };
                 (name.clone(), kind)
             })

@@ -48,6 +48,7 @@ fn kind(key_type: KeyType, action: &str, event: Option<(&str, &str)>) -> KindCon
             exchange: exchange.into(),
             routing_key: routing_key.into(),
         }),
+        effect: None,
     }
 }
 
@@ -159,7 +160,7 @@ async fn pending(db: &tokio_postgres::Client) -> i64 {
 // Over 60 lines on purpose: one end-to-end story (schedule, pay some, fire the rest, the inventory applies each event once), whose assertions need the whole of it.
 #[tokio::test]
 async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
-    let mut env = TestEnv::with_database(&["1s", "5s"]).await;
+    let mut env = TestEnv::with_database(&["1s", "2s"]).await;
     let (exchange, queue) = shop_exchange(&mut env).await;
     let mut config = env.config();
     config.kinds.insert(
@@ -196,10 +197,19 @@ async fn two_kinds_fire_over_the_shops_own_tables_once_never_early() {
     }
     db.batch_execute(
         "INSERT INTO t_delivery VALUES (1, 'SO-001', NULL), (2, 'SO-003', NULL), (3, 'SO-005', now());
-         SELECT lapse.schedule('auto_confirm', id::text, now() + interval '2 seconds') FROM t_delivery",
+         SELECT lapse.schedule('auto_confirm', id::text, now() + interval '5 seconds') FROM t_delivery",
     )
     .await
     .unwrap();
+    // The long kind, beyond the top tier (2s): nothing for the broker yet.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM lapse.deadlines WHERE kind = 'auto_confirm' AND NOT in_tiers"
+        )
+        .await,
+        3
+    );
 
     eventually(
         Duration::from_secs(60),
@@ -524,24 +534,10 @@ async fn an_event_for_an_exchange_not_there_waits_in_the_outbox() {
     .await;
     // The shop declares its exchange and queue: the events arrive.
     let (_, queue) = shop_exchange(&mut env).await;
-    let ch = env.conn.create_channel().await.unwrap();
     eventually(
         Duration::from_secs(60),
         "three events delivered",
-        || async {
-            let q = ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
-                .ok()?;
-            (q.message_count() == 3).then_some(())
-        },
+        || async { (messages_in(&env, &queue).await == 3).then_some(()) },
     )
     .await;
     eventually(Duration::from_secs(10), "the outbox emptied", || async {
@@ -922,20 +918,8 @@ async fn the_trigger_recipe_needs_no_application_change() {
         .await,
         2
     );
-    let ch = env.conn.create_channel().await.unwrap();
     eventually(Duration::from_secs(30), "two events", || async {
-        let q = ch
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .ok()?;
-        (q.message_count() == 2).then_some(())
+        (messages_in(&env, &queue).await == 2).then_some(())
     })
     .await;
     assert!(running.stop().await.is_empty());
@@ -1205,6 +1189,8 @@ async fn payments_racing_a_kinds_deadline_never_both_win() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    // The shop's connections: a pool, as an application has (300 payments share 16).
+    let pool = lapse::db::app_pool(&config.database, 16).unwrap();
     let mut payments = tokio::task::JoinSet::new();
     for (i, (order_no, expire_at)) in deadlines.into_iter().enumerate() {
         // Within ±50 ms of the deadline; every tenth well before it.
@@ -1213,16 +1199,19 @@ async fn payments_racing_a_kinds_deadline_never_both_win() {
         } else {
             chrono::Duration::milliseconds((i as i64 * 37) % 101 - 50)
         };
-        let url = crate::helpers::on_lapse_path(&env.database_url());
+        let pool = pool.clone();
         payments.spawn(async move {
             let wait = (expire_at + offset - chrono::Utc::now())
                 .to_std()
                 .unwrap_or_default();
             tokio::time::sleep(wait).await;
-            let (mut client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(connection);
+            // A wait for a connection that times out on a loaded machine: the payment
+            // is simply made later.
+            let mut client = loop {
+                if let Ok(client) = pool.get().await {
+                    break client;
+                }
+            };
             (order_no.clone(), pay(&mut client, &order_no).await)
         });
     }
@@ -1270,6 +1259,62 @@ async fn payments_racing_a_kinds_deadline_never_both_win() {
     assert!(
         paid > 0 && closed > 0,
         "the race had both outcomes: {paid} paid, {closed} closed"
+    );
+    assert!(running.stop().await.is_empty());
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_effect_in_the_same_database_runs_with_its_action_or_not_at_all() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut config = env.config();
+    let mut close = kind(KeyType::Text, CLOSE, None);
+    close.effect = Some("INSERT INTO public.t_release (order_no) VALUES ($1);".into());
+    config.kinds.insert("order_close".into(), close);
+    let db = env.db().await;
+    db.batch_execute(SHOP).await.unwrap();
+    db.batch_execute(
+        "CREATE TABLE public.t_release (order_no text PRIMARY KEY CHECK (order_no <> 'veto'))",
+    )
+    .await
+    .unwrap();
+    lapse::db::migrate_with_settings(
+        &config.database.url,
+        &lapse::db::Settings::from_config(&config),
+    )
+    .await
+    .unwrap();
+    db.batch_execute(
+        "INSERT INTO t_order (order_no, user_id, expire_at) VALUES
+            ('a', 1, now()), ('paid', 1, now()), ('veto', 1, now());
+         UPDATE t_order SET order_status = 1 WHERE order_no = 'paid';
+         SELECT lapse.schedule('order_close', order_no, now() + interval '500 ms') FROM t_order;",
+    )
+    .await
+    .unwrap();
+    let running = env.start(&config).await;
+    let found = parked(&env, 1).await;
+    assert!(found[0].1.contains("the effect failed"), "{found:?}");
+    eventually(Duration::from_secs(30), "the others settled", || async {
+        (pending(&db).await == 1).then_some(())
+    })
+    .await;
+    // Fired with its effect; nothing for the paid one; the vetoed one rolled back whole.
+    let released: Vec<String> = db
+        .query("SELECT order_no FROM public.t_release ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(released, ["a"]);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM t_order WHERE order_no = 'veto' AND order_status = 0"
+        )
+        .await,
+        1
     );
     assert!(running.stop().await.is_empty());
     env.cleanup().await;

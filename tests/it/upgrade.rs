@@ -15,22 +15,34 @@ mod earlier {
     refinery::embed_migrations!("migrations");
 }
 
-/// The last migration before the schema `lapse` existed.
-const BEFORE_KINDS: i32 = 13;
-
-#[tokio::test]
-async fn an_earlier_installation_keeps_its_objects_and_its_orders_in_flight_close_once() {
-    let mut env = TestEnv::new(&["1s", "5s"]).await;
+/// A test env with an empty database of its own (not migrated); its URL.
+async fn fresh_database(tiers: &[&str]) -> (TestEnv, String) {
+    let mut env = TestEnv::new(tiers).await;
     env.database = Some(env.prefix.clone());
     let url = env.database_url();
     lapse::db::ensure_database(&Secret::new(url.clone()))
         .await
         .unwrap();
-    // The earlier version migrated with the connection's own search path (`public`).
-    let (mut raw, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+    (env, url)
+}
+
+/// A plain connection, with the connection's own search path.
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(connection);
+    client
+}
+
+/// The last migration before the schema `lapse` existed.
+const BEFORE_KINDS: i32 = 13;
+
+#[tokio::test]
+async fn an_earlier_installation_keeps_its_objects_and_its_orders_in_flight_close_once() {
+    let (env, url) = fresh_database(&["1s", "5s"]).await;
+    // The earlier version migrated with the connection's own search path (`public`).
+    let mut raw = connect(&url).await;
     earlier::migrations::runner()
         .set_target(refinery::Target::Version(BEFORE_KINDS))
         .run_async(&mut raw)
@@ -54,6 +66,7 @@ async fn an_earlier_installation_keeps_its_objects_and_its_orders_in_flight_clos
             action: "UPDATE public.orders SET note = 'confirmed' WHERE id = $1 AND note IS NULL RETURNING id"
                 .into(),
             event: None,
+            effect: None,
         },
     );
     // The upgrade: this version's migrations and settings.
@@ -146,16 +159,8 @@ async fn an_earlier_installation_keeps_its_objects_and_its_orders_in_flight_clos
 
 #[tokio::test]
 async fn a_fresh_installation_creates_nothing_outside_its_schema() {
-    let mut env = TestEnv::new(&["1s"]).await;
-    env.database = Some(env.prefix.clone());
-    let url = env.database_url();
-    lapse::db::ensure_database(&Secret::new(url.clone()))
-        .await
-        .unwrap();
-    let (raw, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (env, url) = fresh_database(&["1s"]).await;
+    let raw = connect(&url).await;
     // The shop's own tables, named like lapse's.
     raw.batch_execute(
         "CREATE TABLE public.orders (order_no text PRIMARY KEY, amount numeric, status int);
@@ -206,25 +211,11 @@ async fn a_fresh_installation_creates_nothing_outside_its_schema() {
 
 #[tokio::test]
 async fn an_earlier_installation_in_another_schema_is_refused_not_duplicated() {
-    let mut env = TestEnv::new(&["1s"]).await;
-    env.database = Some(env.prefix.clone());
-    let url = env.database_url();
-    lapse::db::ensure_database(&Secret::new(url.clone()))
-        .await
-        .unwrap();
-    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (env, url) = fresh_database(&["1s"]).await;
+    let admin = connect(&url).await;
     admin.batch_execute("CREATE SCHEMA shop").await.unwrap();
     // The earlier version, run by a role whose search path starts with `shop`.
-    let (mut raw, connection) = tokio_postgres::connect(
-        &format!("{url}?options=-c%20search_path%3Dshop"),
-        tokio_postgres::NoTls,
-    )
-    .await
-    .unwrap();
-    tokio::spawn(connection);
+    let mut raw = connect(&format!("{url}?options=-c%20search_path%3Dshop")).await;
     earlier::migrations::runner()
         .set_target(refinery::Target::Version(BEFORE_KINDS))
         .run_async(&mut raw)
