@@ -138,32 +138,28 @@ pub fn default_shop_search_path() -> String {
 /// shop has an `orders` table too).
 pub fn validate_shop_search_path(path: &str) -> Result<(), ConfigError> {
     let key = "database.shop_search_path";
-    let schemas: Vec<&str> = path.split(',').map(str::trim).collect();
-    if schemas.iter().any(|s| s.is_empty()) {
-        return Err(ConfigError::new(
-            key,
-            "must be a comma-separated list of schema names, e.g. \"public\" or \"shop, public\"",
-        ));
-    }
-    for schema in &schemas {
-        let plain = schema.trim_matches('"');
-        let identifier = !plain.is_empty()
-            && plain
+    for schema in path.split(',').map(str::trim) {
+        // Plain lower-case identifiers only: what lapse pastes into `SET LOCAL
+        // search_path` must mean exactly what it says (no quoting, no `$`).
+        let identifier = schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && schema.len() <= 63
+            && schema
                 .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$');
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
         if !identifier {
             return Err(ConfigError::new(
                 key,
-                format!("{schema:?} is not a schema name (letters, digits, _ or \"$user\")"),
+                format!(
+                    "{schema:?} is not a schema name: a comma-separated list of lower-case \
+                     names (letters, digits, _), e.g. \"public\" or \"shop, public\""
+                ),
             ));
         }
-        if plain.eq_ignore_ascii_case("lapse") || plain == "$user" {
+        if schema == "lapse" {
             return Err(ConfigError::new(
                 key,
-                format!(
-                    "must not name {schema}: a kind's action would then find lapse's own tables \
-                     (its example shop has `orders`, `stock`, ...) before the shop's"
-                ),
+                "must not name lapse: a kind's action would then find lapse's own tables \
+                 (its example shop has `orders`, `stock`, ...) before the shop's",
             ));
         }
     }

@@ -162,25 +162,40 @@ async fn migrate_locked(
 async fn choose_layout(tx: &tokio_postgres::Transaction<'_>) -> Result<(), DbError> {
     tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", super::SCHEMA))
         .await?;
-    // An earlier installation: lapse's migration history next to its settings table,
-    // in a schema other than `lapse` (another tool's history alone is not ours).
+    // An earlier installation: a migration history, in a schema other than `lapse`,
+    // whose first migration is lapse's (`V1__orders`) and whose schema holds lapse's
+    // outbox (another tool's history alone is not ours). Any version: the settings
+    // table came only with V5.
     let rows = tx
         .query_typed(
             "SELECT n.nspname AS schema FROM pg_class h
                JOIN pg_namespace n ON n.oid = h.relnamespace
               WHERE h.relname = 'refinery_schema_history' AND h.relkind = 'r'
                 AND n.nspname <> 'lapse'
-                AND EXISTS (SELECT 1 FROM pg_class s
-                             WHERE s.relname = 'lapse_settings' AND s.relnamespace = n.oid)
+                AND EXISTS (SELECT 1 FROM pg_class o
+                             WHERE o.relname = 'outbox' AND o.relnamespace = n.oid)
                 AND to_regclass('lapse.refinery_schema_history') IS NULL
               ORDER BY n.nspname",
             &[],
         )
         .await?;
-    let earlier: Vec<String> = rows
-        .iter()
-        .map(|r| super::column(r, "schema"))
-        .collect::<Result<_, _>>()?;
+    let mut earlier = Vec::new();
+    for row in &rows {
+        let schema: String = super::column(row, "schema")?;
+        let quoted = format!("\"{}\"", schema.replace('"', "\"\""));
+        let ours = tx
+            .query_typed_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {quoted}.refinery_schema_history
+                                     WHERE version = 1 AND name = 'orders') AS ours"
+                ),
+                &[],
+            )
+            .await?;
+        if super::column::<bool>(&ours, "ours")? {
+            earlier.push(schema);
+        }
+    }
     let schema = match earlier.as_slice() {
         [] => super::SCHEMA.to_string(),
         [public] if public == "public" => public.clone(),
@@ -188,8 +203,10 @@ async fn choose_layout(tx: &tokio_postgres::Transaction<'_>) -> Result<(), DbErr
             return Err(DbError::Config(format!(
                 "an earlier installation of lapse is in schema {}: this version finds its \
                  objects in `lapse` or, for an earlier installation, `public` \
-                 (docs/adopting.md, \"What is where\"); move them to one of those \
-                 (ALTER TABLE/FUNCTION ... SET SCHEMA) and migrate again",
+                 (docs/adopting.md, \"What is where\"), and nothing is installed beside \
+                 it; keep running the earlier version there, or move every object to \
+                 `public` (ALTER ... SET SCHEMA, and ALTER FUNCTION ... SET search_path = \
+                 pg_catalog, public, pg_temp for each lapse_* function) and migrate again",
                 found.join(", ")
             )));
         }

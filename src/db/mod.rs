@@ -35,8 +35,8 @@ pub const SCHEMA: &str = "lapse";
 
 /// The search path of every lapse transaction (`SET LOCAL`, so a pooler in
 /// transaction mode keeps it to the transaction): lapse's schema, then `public` where
-/// an earlier installation keeps its objects. A kind's action runs with the
-/// connection's own search path instead ([`crate::kinds::fire`]).
+/// an earlier installation keeps its objects. A kind's action runs with
+/// `database.shop_search_path` instead ([`crate::kinds::fire`]).
 pub const SEARCH_PATH: &str = "lapse, public";
 
 /// Advisory lock key serialising migrations ("lapse" in ASCII).

@@ -129,11 +129,8 @@ async fn check_one(
             DbError::from(e).detail()
         ));
     }
-    if let Some(effect) = &kind.effect {
-        let checked = check_effect(tx, kind, effect, &wanted).await?;
-        if let Err(problem) = checked {
-            return Ok(Err(problem));
-        }
+    if let Err(problem) = check_effect(tx, kind, &wanted).await? {
+        return Ok(Err(problem));
     }
     Ok(Ok(Checked {
         kind: kind.name.clone(),
@@ -141,11 +138,11 @@ async fn check_one(
     }))
 }
 
-/// The effect prepares with at most one parameter, the key as the kind's type.
+/// The effect prepares as lapse runs it (inside a WITH: a data statement), with at
+/// most one parameter, the key as the kind's type.
 async fn check_effect(
     tx: &tokio_postgres::Transaction<'_>,
     kind: &Kind,
-    effect: &str,
     wanted: &Type,
 ) -> Result<Result<(), Problem>, DbError> {
     let problem = |problem: String| {
@@ -155,28 +152,20 @@ async fn check_effect(
             problem,
         }))
     };
-    match tx.prepare(effect).await {
-        Ok(plain) if plain.params().len() > 1 => {
-            return problem(format!(
-                "takes {} parameters; an effect takes at most one, the key as $1",
-                plain.params().len()
-            ));
-        }
-        Ok(_) => {}
-        Err(e) if e.code().is_some() => {
-            return problem(format!("does not prepare: {}", DbError::from(e).detail()));
-        }
-        Err(e) => return Err(e.into()),
-    }
-    tx.batch_execute("SAVEPOINT lapse_effect").await?;
-    let typed = tx.prepare_typed(effect, std::slice::from_ref(wanted)).await;
-    tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_effect")
-        .await?;
-    match typed {
+    let Some(wrapped) = kind.wrapped_effect() else {
+        return Ok(Ok(()));
+    };
+    match tx
+        .prepare_typed(&wrapped, std::slice::from_ref(wanted))
+        .await
+    {
+        Ok(typed) if typed.params().len() > 1 => problem(format!(
+            "takes {} parameters; an effect takes at most one, the key as $1",
+            typed.params().len()
+        )),
         Ok(_) => Ok(Ok(())),
         Err(e) if e.code().is_some() => problem(format!(
-            "does not take $1 as {wanted} (kinds.{}.key_type): {}",
-            kind.name,
+            "does not prepare as one data statement (INSERT, UPDATE, DELETE) with $1 as {wanted}: {}",
             DbError::from(e).detail()
         )),
         Err(e) => Err(e.into()),

@@ -257,7 +257,8 @@ async fn run_action(
     // they would roll back every other deadline and close with it.
     // A fired action's effect in the same database runs in the same savepoint: both
     // or neither.
-    let ran = match (ran, &kind.effect) {
+    let effect = kind.wrapped_effect();
+    let ran = match (ran, &effect) {
         (Ok(rows), Some(effect)) if rows.len() == 1 => tx
             .execute_typed(effect, &[(key.value(), Key::sql_type(kind.key_type))])
             .await
@@ -265,12 +266,21 @@ async fn run_action(
             .map_err(Failure::Effect),
         (ran, _) => ran.map_err(Failure::Action),
     };
+    // A deferred constraint that fails now was broken by the effect when one ran.
     let ran = match ran {
-        Ok(rows) if rows.len() <= 1 => tx
-            .batch_execute("SET CONSTRAINTS ALL IMMEDIATE")
-            .await
-            .map(|()| rows)
-            .map_err(Failure::Action),
+        Ok(rows) if rows.len() <= 1 => {
+            let effect_ran = effect.is_some() && rows.len() == 1;
+            tx.batch_execute("SET CONSTRAINTS ALL IMMEDIATE")
+                .await
+                .map(|()| rows)
+                .map_err(|e| {
+                    if effect_ran {
+                        Failure::Effect(e)
+                    } else {
+                        Failure::Action(e)
+                    }
+                })
+        }
         other => other,
     };
     let outcome = match ran {

@@ -34,6 +34,14 @@ pub struct Kind {
 }
 
 impl Kind {
+    /// The effect as lapse runs it: inside a WITH, so only a data statement can be
+    /// one (never a COMMIT or a SET that would end or change the firing transaction).
+    pub fn wrapped_effect(&self) -> Option<String> {
+        self.effect
+            .as_ref()
+            .map(|effect| format!("WITH lapse_effect AS (\n{effect}\n) SELECT 1"))
+    }
+
     /// The action as lapse runs it: every row it returns as one JSON object, so that
     /// the count decides (0, 1, more) and the row goes into the event.
     pub fn wrapped(&self) -> String {

@@ -93,8 +93,16 @@ async fn shop_exchange(env: &mut TestEnv) -> (String, String) {
 
 /// The env's database with the shop's tables, migrated with the kinds of `config`.
 async fn shop_database(env: &TestEnv, config: &Config) -> tokio_postgres::Client {
+    shop_database_with(env, config, "").await
+}
+
+/// [`shop_database`] with more of the shop's objects (`extra`, before the migration).
+async fn shop_database_with(env: &TestEnv, config: &Config, extra: &str) -> tokio_postgres::Client {
     let db = env.db().await;
     db.batch_execute(SHOP).await.unwrap();
+    if !extra.is_empty() {
+        db.batch_execute(extra).await.unwrap();
+    }
     lapse::db::migrate_with_settings(
         &config.database.url,
         &lapse::db::Settings::from_config(config),
@@ -127,12 +135,12 @@ async fn place_order(db: &mut tokio_postgres::Client, order_no: &str, in_ms: i64
 /// shop's guarded UPDATE, in one transaction; too late means rolled back.
 async fn pay(db: &mut tokio_postgres::Client, order_no: &str) -> bool {
     let tx = db.transaction().await.unwrap();
-    let open: bool = tx
+    let open: Option<bool> = tx
         .query_one("SELECT lapse.settle('order_close', $1)", &[&order_no])
         .await
         .unwrap()
         .get(0);
-    let paid = open
+    let paid = open == Some(true)
         && tx
             .execute(
                 "UPDATE t_order SET order_status = 1 WHERE order_no = $1 AND order_status = 0",
@@ -392,19 +400,12 @@ async fn an_action_that_fails_or_changes_three_rows_parks_only_its_deadline() {
     config
         .kinds
         .insert("gone".into(), kind(KeyType::Text, CLOSE, None));
-    let db = env.db().await;
-    db.batch_execute(SHOP).await.unwrap();
-    db.batch_execute(
+    let db = shop_database_with(
+        &env,
+        &config,
         "CREATE TABLE public.t_audit (order_no text REFERENCES public.t_order DEFERRABLE INITIALLY DEFERRED)",
     )
-    .await
-    .unwrap();
-    lapse::db::migrate_with_settings(
-        &config.database.url,
-        &lapse::db::Settings::from_config(&config),
-    )
-    .await
-    .unwrap();
+    .await;
     config.kinds.remove("gone");
     db.batch_execute(
         "SELECT lapse.schedule('audited', 'z', now() + interval '1 second');
@@ -669,6 +670,13 @@ async fn the_sql_api_refuses_what_it_cannot_keep_and_names_why() {
         .unwrap()
         .get(0);
     assert!(!again);
+    // Settling a key never scheduled answers NULL: the shop's own rules decide.
+    let never: Option<bool> = db
+        .query_one("SELECT lapse.settle('auto_confirm', '424242')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(never, None);
     // Cancelled, then armed again with the next version.
     assert_eq!(
         version("SELECT lapse.schedule('auto_confirm', '7', (SELECT t FROM at))").await,
@@ -805,6 +813,8 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
         toml += &format!("[kinds.{name}]\nkey_type = {key_type:?}\naction = {action:?}\n");
     }
     toml += &format!("[kinds.good]\naction = {CLOSE:?}\n");
+    // An effect that would end lapse's transaction is not a data statement.
+    toml += &format!("[kinds.committing]\naction = {CLOSE:?}\neffect = \"COMMIT\"\n");
     // Valid, and it would change the row above whatever key it ran with.
     toml += "[kinds.greedy]\naction = \"UPDATE t_order SET order_status = 7 WHERE order_no <> $1 OR true RETURNING order_no\"\n";
     env.write_config(&toml);
@@ -819,6 +829,11 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
         assert!(line.contains(words), "{key}: {line}");
     }
     assert!(ok.contains("kind good: returns order_no, user_id"), "{ok}");
+    assert!(
+        err.lines()
+            .any(|l| l.contains("kinds.committing.effect") && l.contains("data statement")),
+        "{err}"
+    );
     assert!(ok.contains("kind greedy: returns order_no"), "{ok}");
 
     // A worker with one bad kind does not start, naming it.
@@ -1128,12 +1143,16 @@ async fn an_action_naming_orders_means_the_shops_orders_not_lapses_example() {
             None,
         ),
     );
+    // lapse's schema first on the worker's own session path (as for a role named
+    // lapse, whose "$user" is its schema): the action must still see the shop's.
+    config.database.url =
+        lapse::config::Secret::new(crate::helpers::on_lapse_path(&env.database_url()));
     let db = shop_database(&env, &config).await;
-    assert_eq!(
-        env.lapse(&["kinds", "check"]).status.code(),
-        Some(0),
-        "checked against the shop's orders"
-    );
+    let catalog = lapse::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path);
+    let problem = lapse::kinds::check::first_problem(&config.database.url, &catalog)
+        .await
+        .unwrap();
+    assert_eq!(problem, None, "checked against the shop's orders");
     let running = env.start(&config).await;
     db.batch_execute("SELECT lapse.schedule('settle_ref', 'R-1', now() + interval '300 ms')")
         .await
@@ -1206,13 +1225,51 @@ async fn payments_racing_a_kinds_deadline_never_both_win() {
                 .unwrap_or_default();
             tokio::time::sleep(wait).await;
             // A wait for a connection that times out on a loaded machine: the payment
-            // is simply made later.
+            // is simply made later (a database that stays away fails the test).
+            let mut tries = 0;
             let mut client = loop {
-                if let Ok(client) = pool.get().await {
-                    break client;
+                match pool.get().await {
+                    Ok(client) => break client,
+                    Err(e) if tries < 20 => {
+                        tries += 1;
+                        tracing::debug!(error = %e, "no connection yet");
+                    }
+                    Err(e) => panic!("no database connection: {e}"),
                 }
             };
-            (order_no.clone(), pay(&mut client, &order_no).await)
+            let tx = client.transaction().await.unwrap();
+            let row = tx
+                .query_one(
+                    "SELECT lapse.settle('order_close', $1) AS open, clock_timestamp() AS at",
+                    &[&order_no],
+                )
+                .await
+                .unwrap();
+            let (open, at): (Option<bool>, chrono::DateTime<chrono::Utc>) =
+                (row.get("open"), row.get("at"));
+            let paid = open == Some(true)
+                && tx
+                    .execute(
+                        "UPDATE t_order SET order_status = 1 WHERE order_no = $1 AND order_status = 0",
+                        &[&order_no],
+                    )
+                    .await
+                    .unwrap()
+                    == 1;
+            if paid {
+                tx.commit().await.unwrap();
+            } else {
+                tx.rollback().await.unwrap();
+            }
+            // In time by the database clock, or not: more than 5 ms either side of the
+            // deadline, the answer must follow it.
+            let margin = chrono::Duration::milliseconds(5);
+            if at + margin < expire_at {
+                assert!(paid, "{order_no}: paid in time ({at} < {expire_at}) but refused");
+            } else if at > expire_at + margin {
+                assert!(!paid, "{order_no}: paid after its deadline ({at} > {expire_at}) but accepted");
+            }
+            (order_no.clone(), paid)
         });
     }
     let mut accepted = BTreeSet::new();
@@ -1271,19 +1328,12 @@ async fn an_effect_in_the_same_database_runs_with_its_action_or_not_at_all() {
     let mut close = kind(KeyType::Text, CLOSE, None);
     close.effect = Some("INSERT INTO public.t_release (order_no) VALUES ($1);".into());
     config.kinds.insert("order_close".into(), close);
-    let db = env.db().await;
-    db.batch_execute(SHOP).await.unwrap();
-    db.batch_execute(
+    let db = shop_database_with(
+        &env,
+        &config,
         "CREATE TABLE public.t_release (order_no text PRIMARY KEY CHECK (order_no <> 'veto'))",
     )
-    .await
-    .unwrap();
-    lapse::db::migrate_with_settings(
-        &config.database.url,
-        &lapse::db::Settings::from_config(&config),
-    )
-    .await
-    .unwrap();
+    .await;
     db.batch_execute(
         "INSERT INTO t_order (order_no, user_id, expire_at) VALUES
             ('a', 1, now()), ('paid', 1, now()), ('veto', 1, now());

@@ -237,3 +237,34 @@ async fn an_earlier_installation_in_another_schema_is_refused_not_duplicated() {
     drop((raw, admin));
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_installation_from_before_the_settings_table_is_served_where_it_is() {
+    let (env, url) = fresh_database(&["1s"]).await;
+    let mut raw = connect(&url).await;
+    // V4: before lapse_settings existed (V5).
+    earlier::migrations::runner()
+        .set_target(refinery::Target::Version(4))
+        .run_async(&mut raw)
+        .await
+        .unwrap();
+    lapse::db::migrate(&Secret::new(url.clone())).await.unwrap();
+    for (sql, expected) in [
+        (
+            "SELECT max(version)::bigint FROM public.refinery_schema_history",
+            14,
+        ),
+        (
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'lapse' AND tablename = 'orders'",
+            0,
+        ),
+        (
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'public' AND tablename = 'lapse_settings'",
+            1,
+        ),
+    ] {
+        assert_eq!(count(&raw, sql).await, expected, "{sql}");
+    }
+    drop(raw);
+    env.cleanup().await;
+}
