@@ -12,7 +12,7 @@ use crate::close::{self, Candidate, CloseReason, Closed};
 use crate::db::{self, DbError, Pools};
 use crate::deadline;
 use crate::kinds::Catalog;
-use crate::kinds::fire::{self, DeadlineRow, Due, Verdict};
+use crate::kinds::fire::{DeadlineRow, Verdict};
 use crate::message::{DecodeError, Route, TimeoutMessage};
 use crate::names::Names;
 use crate::observe::stats::Outcome;
@@ -165,7 +165,7 @@ impl Decider {
                     if m.deadline()
                         .is_some_and(|(k, _)| self.kinds.get(k).is_none()) =>
                 {
-                    park(&unknown_kind(m), "unknown_kind")
+                    park(&kinds::unknown_kind(m), "unknown_kind")
                 }
                 Ok(m) => match snapshots.get(&m.shard) {
                     None => park(&self.unknown_shard(m.shard), "unknown_shard"),
@@ -262,49 +262,6 @@ impl Decider {
         })
     }
 
-    /// Reads the deadlines of kinds `messages` name and fires those due, in `tx`.
-    async fn fire_due(
-        &self,
-        tx: &tokio_postgres::Transaction<'_>,
-        messages: &[&TimeoutMessage],
-        db_now: DateTime<Utc>,
-    ) -> Result<
-        (
-            HashMap<i64, Result<DeadlineRow, String>>,
-            HashMap<i64, Verdict>,
-        ),
-        DbError,
-    > {
-        if messages.is_empty() {
-            return Ok(Default::default());
-        }
-        let ids: Vec<i64> = messages.iter().map(|m| m.order_id).collect();
-        let rows = fire::read(tx, &ids).await?;
-        let due: Vec<Due> = messages
-            .iter()
-            .filter(|m| {
-                rows.get(&m.order_id).is_some_and(|r| {
-                    r.as_ref().is_ok_and(|r| {
-                        r.state == "pending"
-                            && r.version == m.deadline_version
-                            && m.deadline().is_some_and(|(kind, _)| kind == r.kind)
-                            && r.expire_at.as_ref().is_ok_and(|t| *t <= db_now)
-                    })
-                })
-            })
-            .map(|m| Due {
-                id: m.order_id,
-                version: m.deadline_version,
-            })
-            .collect();
-        let verdicts = if due.is_empty() {
-            HashMap::new()
-        } else {
-            fire::fire(tx, &self.kinds, &rows, &due, self.lock_timeout).await?
-        };
-        Ok((rows, verdicts))
-    }
-
     /// `closed_ids` holds the orders this batch closed not yet attributed to a
     /// delivery: a duplicate in the same batch counts as settled, not closed twice.
     fn classify(
@@ -341,57 +298,6 @@ impl Decider {
             };
         }
         self.wait_more(m, expire_at, snap.db_now)
-    }
-
-    /// [`Decider::classify`] for the timeout of a kind's deadline: the same table, with
-    /// the deadline's state and the verdict of its action. `fired_ids` holds the
-    /// deadlines of this batch already credited to a delivery (a duplicate is settled).
-    fn classify_deadline(
-        &self,
-        m: &TimeoutMessage,
-        snap: &Snapshot,
-        fired_ids: &mut HashSet<i64>,
-    ) -> Action {
-        let row = match snap.deadlines.get(&m.order_id) {
-            None => return Action::Ack(Outcome::Missing),
-            Some(Err(reason)) => return park(reason, "bad_deadline"),
-            Some(Ok(row)) => row,
-        };
-        if m.deadline().is_none_or(|(kind, _)| kind != row.kind) {
-            return park(
-                &format!(
-                    "the message names deadline {} of kind {:?}, but that deadline is of kind {:?}",
-                    m.order_id,
-                    m.kind.as_deref().unwrap_or_default(),
-                    row.kind
-                ),
-                "bad_deadline",
-            );
-        }
-        if row.version != m.deadline_version {
-            return Action::Ack(Outcome::Stale);
-        }
-        if row.state != "pending" {
-            return Action::Ack(Outcome::Settled);
-        }
-        let expire_at = match &row.expire_at {
-            Ok(t) => *t,
-            Err(reason) => return park(reason, "bad_deadline"),
-        };
-        if expire_at > snap.db_now {
-            return self.wait_more(m, expire_at, snap.db_now);
-        }
-        match snap.verdicts.get(&m.order_id) {
-            Some(Verdict::Fired { .. }) if fired_ids.insert(m.order_id) => {
-                Action::Ack(Outcome::Closed)
-            }
-            Some(Verdict::Nothing) if fired_ids.insert(m.order_id) => Action::Ack(Outcome::Raced),
-            Some(Verdict::Fired { .. } | Verdict::Nothing) => Action::Ack(Outcome::Settled),
-            Some(Verdict::Locked) => Action::Locked(self.lock_retry),
-            Some(Verdict::Park(reason)) => park(reason, "action_failed"),
-            // Pending and due at the read, gone when locked: settled meanwhile.
-            None => Action::Ack(Outcome::Settled),
-        }
     }
 
     /// Not due yet: re-delay to the tier that fits, or hold a remainder shorter than
@@ -465,14 +371,6 @@ impl Decider {
     }
 }
 
-fn unknown_kind(m: &TimeoutMessage) -> String {
-    format!(
-        "the deadline's kind {:?} is not under [kinds] of this worker's configuration (taken out \
-         while its deadlines were in flight?): replay it once the kind is back",
-        m.kind.as_deref().unwrap_or_default()
-    )
-}
-
 /// A delivery whose order cannot be decided: parked with the reason, counted.
 fn park(reason: &str, kind: &'static str) -> Action {
     Action::Park {
@@ -481,6 +379,10 @@ fn park(reason: &str, kind: &'static str) -> Action {
         kind,
     }
 }
+
+/// The same decision for the timeouts of kinds' deadlines.
+#[path = "decide_kinds.rs"]
+mod kinds;
 
 #[cfg(test)]
 #[path = "decide_tests.rs"]
