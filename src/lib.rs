@@ -84,6 +84,7 @@ pub mod message;
 pub mod names;
 pub mod observe;
 pub mod orders;
+pub mod pack;
 pub mod parked;
 pub mod redact;
 pub mod runtime;

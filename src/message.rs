@@ -58,7 +58,7 @@ fn is_zero(shard: &u16) -> bool {
 }
 
 /// Why a body is not a timeout message.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("body is not a JSON timeout message: {0}")]
     Malformed(String),

@@ -19,6 +19,7 @@
 pub mod backlog;
 pub mod notifications;
 mod outgoing;
+mod packing;
 pub mod retry;
 mod sources;
 
@@ -103,6 +104,9 @@ pub struct Relay {
     pub shard_label: Option<String>,
     /// Whether this database has the kinds' outbox yet.
     pub kind_outbox: KindOutbox,
+    /// Packs: the most timeouts per message, and how far apart their deadlines may be.
+    pub pack_max: usize,
+    pub pack_window: Duration,
 }
 
 impl Relay {
@@ -118,6 +122,8 @@ impl Relay {
             tiers,
             tolerance: config.relay.tier_tolerance,
             batch_size: config.relay.batch_size,
+            pack_max: config.packs.max_entries,
+            pack_window: config.packs.window,
             stats,
         }
     }
@@ -210,26 +216,31 @@ impl Relay {
                 }
             }
         }
-        let messages = ready.iter().map(|o| o.message.clone()).collect();
+        let packs = packing::packs(ready, self.pack_window, self.pack_max);
+        let (messages, members): (Vec<_>, Vec<_>) = packs.into_iter().unzip();
         let results = publisher.publish_all(messages).await;
         let mut sent_ids = Vec::new();
         let mut sent_kind_ids = Vec::new();
         let mut hops = Vec::new();
         let mut broken = None;
-        for (o, result) in ready.into_iter().zip(results) {
+        for (rows, result) in members.into_iter().zip(results) {
             match result {
                 Ok(()) => {
-                    match o.source {
-                        Source::Outbox => sent_ids.push(o.outbox_id),
-                        Source::Kinds => sent_kind_ids.push(o.outbox_id),
-                    }
-                    if let Some(hop) = &o.hop {
-                        self.stats.hop(Some(hop.tier.as_str()));
-                        hops.push(hop.clone());
+                    for o in rows {
+                        match o.source {
+                            Source::Outbox => sent_ids.push(o.outbox_id),
+                            Source::Kinds => sent_kind_ids.push(o.outbox_id),
+                        }
+                        if let Some(hop) = &o.hop {
+                            self.stats.hop(Some(hop.tier.as_str()));
+                            hops.push(hop.clone());
+                        }
                     }
                 }
                 Err(e @ (BrokerError::Nacked { .. } | BrokerError::Unroutable { .. })) => {
-                    later.add(o, &e)
+                    for o in rows {
+                        later.add(o, &e);
+                    }
                 }
                 Err(e) => broken = Some(e),
             }

@@ -40,6 +40,7 @@ pub use addresses::{join_addresses, split_addresses};
 pub use kinds::{EventConfig, KeyType, KindConfig, Kinds};
 pub use load::{BENCH_WORKER_LOG_VAR, CONFIG_VAR, LOG_ENV_VARS, LOG_FORMAT_VAR, LOG_VAR, env};
 pub use moved::{MOVED_KEYS, moved_keys};
+pub use packs::{MAX_PACK_ENTRIES, PacksConfig};
 pub use retention::{Keep, RetentionConfig};
 pub use shards::{ListenUrls, MAX_SHARDS, Shard, listen_url};
 
@@ -58,6 +59,9 @@ pub struct Config {
     /// The kinds of deadline fired over the shop's own tables (docs/adopting.md).
     #[serde(default)]
     pub kinds: Kinds,
+    /// Many deadlines per timeout message (docs/pipeline.md, "Packs").
+    #[serde(default)]
+    pub packs: PacksConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -342,6 +346,7 @@ impl Default for Config {
             },
             retention: RetentionConfig::default(),
             kinds: Kinds::new(),
+            packs: PacksConfig::default(),
         }
     }
 }
@@ -372,6 +377,7 @@ impl Config {
         positive("sweeper.batch_size", self.sweeper.batch_size.max(0) as u64)?;
         retention::validate(&self.retention)?;
         kinds::validate(&self.kinds)?;
+        packs::validate(&self.packs)?;
         kinds::validate_shop_search_path(&self.database.shop_search_path)?;
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(
@@ -500,6 +506,7 @@ mod addresses;
 pub mod kinds;
 mod load;
 mod moved;
+mod packs;
 pub mod pg_tls;
 mod retention;
 mod shards;

@@ -13,7 +13,6 @@ use tokio_postgres::types::Type;
 use super::Entry;
 use super::entry::{Kind, ReasonSource};
 use crate::db::{DbError, Pool, column};
-use crate::message::TimeoutMessage;
 
 /// One row of the book: the entry, and what `show` prints besides.
 #[derive(Clone, Debug, Serialize)]
@@ -102,9 +101,9 @@ const COLUMNS: &str = "seq, id, kind, cause, order_id, shard, deadline, deadline
 fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
     let body: Vec<u8> = column(r, "body")?;
     let kind: Kind = from_word(column(r, "kind")?).unwrap_or(Kind::Unreadable);
-    let timeout = match kind {
-        Kind::Timeout => TimeoutMessage::decode(&body).ok(),
-        _ => None,
+    let (timeout, pack) = match kind {
+        Kind::Timeout => super::entry::timeouts(&body),
+        _ => (None, Vec::new()),
     };
     let shard: Option<i32> = column(r, "shard")?;
     let attempts: i64 = column(r, "attempts")?;
@@ -125,6 +124,7 @@ fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
             exchange: column(r, "exchange")?,
             routing_key: column(r, "routing_key")?,
             timeout,
+            pack,
         },
         archived_at: column(r, "archived_at")?,
         claimed_until: column(r, "claimed_until")?,

@@ -70,8 +70,14 @@ pub struct Entry {
     /// The exchange and routing key it was last published with.
     pub exchange: String,
     pub routing_key: String,
+    /// The timeout (a pack's earliest entry, what a replay is routed on).
     #[serde(skip)]
     pub timeout: Option<TimeoutMessage>,
+    /// Every entry when the body is a pack (empty for a single message): a pack
+    /// parked whole (by the broker's delivery limit, a worker older than packs) is
+    /// replayed whole, and the worker then decides each entry alone.
+    #[serde(skip)]
+    pub pack: Vec<TimeoutMessage>,
 }
 
 impl Entry {
@@ -80,7 +86,7 @@ impl Entry {
         let properties = &delivery.properties;
         let headers = properties.headers().as_ref();
         let body = &delivery.data;
-        let timeout = TimeoutMessage::decode(body).ok();
+        let (timeout, pack) = timeouts(body);
         let release = if timeout.is_none() {
             release_order(body, properties.message_id().as_ref().map(|m| m.as_str()))
         } else {
@@ -88,6 +94,11 @@ impl Entry {
         };
         // Ids name the shard like message ids do (order ids repeat across shards).
         let (id, kind, shard) = match (&timeout, release) {
+            (Some(m), _) if !pack.is_empty() => (
+                format!("pack-{}-n{}", m.message_id(), pack.len()),
+                Kind::Timeout,
+                Some(m.shard),
+            ),
             // A kind's deadline is named as its message is (its id is not an order's).
             (Some(m), _) if m.deadline().is_some() => (
                 sharded(
@@ -174,12 +185,32 @@ impl Entry {
             exchange,
             routing_key,
             timeout,
+            pack,
         }
     }
 
     /// True when `needle` occurs in the reason, ignoring case.
     pub fn reason_matches(&self, needle: &str) -> bool {
         self.reason.to_lowercase().contains(&needle.to_lowercase())
+    }
+}
+
+/// The timeout a body carries, and every entry when it is a pack whose entries all
+/// decode: the earliest entry is the one a replay is routed on. A pack with an entry
+/// that does not decode is no timeout (shown, never replayed).
+pub fn timeouts(body: &[u8]) -> (Option<TimeoutMessage>, Vec<TimeoutMessage>) {
+    let carried: Vec<TimeoutMessage> = match crate::pack::unpack(body)
+        .into_iter()
+        .map(|e| e.message)
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(all) => all,
+        Err(_) => return (None, Vec::new()),
+    };
+    let earliest = carried.iter().min_by_key(|m| m.expire_at).cloned();
+    match carried.len() {
+        1 => (earliest, Vec::new()),
+        _ => (earliest, carried),
     }
 }
 

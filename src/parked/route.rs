@@ -19,7 +19,7 @@ use super::{Entry, Kind};
 use crate::amqp::broker::BrokerError;
 use crate::amqp::publishing::Outgoing;
 use crate::amqp::tier_check::TierCheck;
-use crate::message::Route;
+use crate::message::{Route, TimeoutMessage};
 use crate::names::{Names, STOCK_RELEASE_ROUTING_KEY};
 use crate::tier::{Tier, TierSet};
 
@@ -96,6 +96,34 @@ impl Router {
 
     fn target(&self, entry: &Entry) -> Result<(Target, Option<Tier>), String> {
         match (entry.kind, &entry.timeout, entry.order_id, entry.shard) {
+            (Kind::Timeout, Some(earliest), _, _) if !entry.pack.is_empty() => {
+                // Routed on its earliest entry: none of the others is early.
+                let remaining = earliest.remaining(Utc::now());
+                let route =
+                    Route::for_remaining(&self.names, &self.tiers, remaining, Duration::ZERO);
+                let messages: Vec<TimeoutMessage> = entry
+                    .pack
+                    .iter()
+                    .cloned()
+                    .map(|mut m| {
+                        m.attempt = 0;
+                        m.hops = m.hops.saturating_add(u32::from(route.tier.is_some()));
+                        m
+                    })
+                    .collect();
+                let bodies: Vec<Vec<u8>> = messages.iter().map(TimeoutMessage::encode).collect();
+                let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+                let carried: Vec<&TimeoutMessage> = messages.iter().collect();
+                Ok((
+                    Target {
+                        exchange: route.exchange,
+                        routing_key: route.routing_key,
+                        body: crate::pack::body(&refs),
+                        properties: crate::pack::properties(&carried),
+                    },
+                    route.tier,
+                ))
+            }
             (Kind::Timeout, Some(message), _, _) => {
                 let mut message = message.clone();
                 message.attempt = 0;

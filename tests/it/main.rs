@@ -26,6 +26,7 @@ mod legacy_rows;
 mod liveness;
 mod locks;
 mod outage;
+mod packs;
 mod parked;
 mod parked_replay;
 mod pg_tls;

@@ -130,6 +130,9 @@ async fn a_full_tier_refuses_alone_while_other_intents_and_releases_flow() {
     reapply(&env).await;
     let mut config = env.config();
     config.relay.batch_size = 10;
+    // A queue's length limit counts messages, and a pack is one: one deadline per
+    // message, so that the tier fills up with deadlines.
+    config.packs.max_entries = 1;
     let mut db = env.db().await;
     // 40 deadlines for the 1m tier: 5 fit, 35 are refused for at least a minute.
     create_orders(&mut db, &[Duration::from_secs(600); 40], &line()).await;

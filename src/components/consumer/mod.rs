@@ -25,7 +25,7 @@ mod plan;
 pub use decide::{Action, Decider};
 use execute::Planned;
 use kept::Kept;
-pub use plan::{Publish, Step, Tiers, plan, wanted_tiers};
+pub use plan::{Plan, Tiers, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
 
@@ -40,9 +40,9 @@ use crate::amqp::publishing::PublishingConnection;
 use crate::amqp::tier_check::TierCheck;
 use crate::config::Config;
 use crate::db::Pools;
-use crate::message::TimeoutMessage;
 use crate::names::Names;
 use crate::observe::stats::{Outcome, Stats};
+use crate::pack::{self, Entry};
 use crate::runtime::backoff::Backoff;
 use crate::runtime::health::{Busy, Health};
 use crate::runtime::rate::RateLimiter;
@@ -57,6 +57,8 @@ pub struct Consumer {
     pub batching: Batching,
     pub limiter: RateLimiter,
     pub tier_check: TierCheck,
+    /// The most entries one re-delay carries (`packs.max_entries`).
+    pub pack_max: usize,
 }
 
 /// The consumer's side of a session: `retry` paces the deliveries kept after a failed
@@ -138,6 +140,7 @@ impl Consumer {
             batching: Batching::from_config(w),
             limiter,
             tier_check: TierCheck::new(config.names(), config.broker.confirm_timeout),
+            pack_max: config.packs.max_entries,
         }
     }
 
@@ -178,9 +181,11 @@ impl Consumer {
         source: &mut BatchSource,
         retry: &mut Backoff,
     ) -> Result<BatchReport, BrokerError> {
-        let messages: Vec<_> = batch
+        let entries: Vec<Vec<Entry>> = batch.iter().map(|d| pack::unpack(&d.data)).collect();
+        let messages: Vec<_> = entries
             .iter()
-            .map(|d| TimeoutMessage::decode(&d.data))
+            .flatten()
+            .map(|e| e.message.clone())
             .collect();
         // Holds count from the moment the clock was read, not from when this batch
         // finished: the time spent deciding must not add to the lateness.
@@ -192,18 +197,19 @@ impl Consumer {
         let mut kept = Kept::default();
         let tiers = self.tiers_for(&actions, publishing, &mut kept).await;
         let away = self.shards_away(&actions);
-        let steps: Vec<(Delivery, Step)> = batch
-            .into_iter()
-            .zip(actions)
-            .map(|(delivery, action)| {
-                let step = plan(action, &delivery, &self.names, &tiers);
-                (delivery, step)
-            })
-            .collect();
+        let plan = plan(
+            &batch,
+            &entries,
+            actions,
+            &self.names,
+            &tiers,
+            self.pack_max,
+        );
         let mut report = self
             .execute(
                 Planned {
-                    steps,
+                    batch,
+                    plan,
                     read_at,
                     away,
                 },

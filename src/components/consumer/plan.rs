@@ -1,17 +1,25 @@
-//! The pure half of the consumer: what to do with one delivery, given the
-//! [`Decider`](super::Decider)'s [`Action`] and what the broker said about the wait
-//! tiers the batch wants. No I/O: the consumer's execute step carries the [`Step`]s
+//! The pure half of the consumer: what to do with each entry of a batch, given the
+//! [`Decider`](super::Decider)'s [`Action`]s and what the broker said about the wait
+//! tiers the batch wants. No I/O: the consumer's execute step carries the [`Plan`]
 //! out (publish with confirms, then acknowledge; hold; keep).
+//!
+//! Entries of the whole batch that go the same way next (one wait tier, the due
+//! queue, a back-off tier) leave as one pack (at most `pack_max` entries each): every
+//! one of them would have taken that route alone, so none is early. A parked entry
+//! leaves alone, as its own body, so `lapse parked` shows and replays entries.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
+use lapin::BasicProperties;
 use lapin::message::Delivery;
 
 use super::Action;
-use crate::amqp::publishing::{Outgoing, parked_copy};
+use crate::amqp::publishing::Outgoing;
+use crate::message::{TimeoutMessage, parked_properties};
 use crate::names::Names;
 use crate::observe::stats::Outcome;
+use crate::pack::{self, Entry};
 use crate::tier::Tier;
 use crate::timeline::Hop;
 
@@ -25,35 +33,58 @@ pub enum Tiers {
     Unknown,
 }
 
-/// One delivery's step.
+/// An entry to decide again later, as the body it came in.
 #[derive(Clone, Debug)]
-pub enum Step {
-    /// Acknowledge now.
-    Ack(Outcome),
-    /// Keep unacknowledged and decide again `after` the batch's clock read.
-    Hold { after: Duration, outcome: Outcome },
-    /// Publish with confirm, then acknowledge.
-    Publish(Box<Publish>),
-    /// Not published (its wait tier has no queue, or nobody knows): keep it and decide
-    /// it again after the back-off, but no later than `reroute_after`.
-    Keep {
-        reroute_after: Option<Duration>,
-        /// The wait queue that does not exist; `None` when the tier check failed.
-        missing_queue: Option<String>,
-    },
+pub struct Again {
+    pub body: Vec<u8>,
+    /// Decide it again no later than this after the batch's clock read.
+    pub after: Option<Duration>,
+    pub outcome: Outcome,
+    /// Not published: its wait tier has no queue (named), or nobody knows (`None`).
+    /// Such an entry is kept (the back-off grows), not merely held.
+    pub kept: Option<Option<String>>,
 }
 
-/// A publish a delivery waits on before it is acknowledged.
+/// What one delivery's entries need beyond the batch's publishes.
+#[derive(Clone, Debug, Default)]
+pub struct DeliveryPlan {
+    /// Entries the decision settled, with why (acknowledged with the delivery).
+    pub settled: Vec<Outcome>,
+    /// Entries to decide again (held: a short remainder, a locked row; kept: a
+    /// publish not attempted).
+    pub again: Vec<Again>,
+    /// Publishes (indexes into [`Plan::publishes`]) carrying entries of this delivery.
+    pub publishes: Vec<usize>,
+}
+
+/// One entry of a publish: whose it is and what to do if the publish fails.
+#[derive(Clone, Debug)]
+pub struct Member {
+    /// The delivery (index in the batch) it came in.
+    pub delivery: usize,
+    /// Its body as it came (decided again if the publish fails).
+    pub body: Vec<u8>,
+    pub outcome: Outcome,
+    /// See [`Action::Publish`]; a kept entry is decided again no later than this.
+    pub reroute_after: Option<Duration>,
+}
+
+/// A publish deliveries wait on before they are acknowledged.
 #[derive(Clone, Debug)]
 pub struct Publish {
     pub message: Outgoing,
-    pub outcome: Outcome,
-    /// See [`Action::Publish`]; a kept delivery is decided again no later than this.
-    pub reroute_after: Option<Duration>,
-    /// The `parked` counter's reason when this publish parks the delivery.
+    pub members: Vec<Member>,
+    /// The `parked` counter's reason when this publish parks its (one) entry.
     pub park: Option<&'static str>,
-    /// The timeline event of a re-delay, written once the broker confirmed it.
-    pub hop: Option<Hop>,
+    /// The timeline events of the re-delays it carries, written once confirmed.
+    pub hops: Vec<Hop>,
+}
+
+/// A batch's plan: per delivery, and the publishes.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub deliveries: Vec<DeliveryPlan>,
+    pub publishes: Vec<Publish>,
 }
 
 /// The wait tiers `actions` publish to: the ones to ask the broker about.
@@ -67,170 +98,203 @@ pub fn wanted_tiers(actions: &[Action]) -> BTreeSet<Tier> {
         .collect()
 }
 
-/// The step for one delivery.
+/// Re-delays that share a route, being gathered into packs.
+struct Group {
+    exchange: String,
+    routing_key: String,
+    members: Vec<Member>,
+    messages: Vec<TimeoutMessage>,
+    /// One per message: its order's timeline event (none for a kind's deadline).
+    hops: Vec<Option<Hop>>,
+}
+
+/// The plan for a batch: `entries[i]` are delivery `i`'s, `actions` one per entry in
+/// the same order (flattened).
 // Over 60 lines on purpose: one arm per action; the table test below covers each.
-pub fn plan(action: Action, delivery: &Delivery, names: &Names, tiers: &Tiers) -> Step {
-    match action {
-        Action::Ack(outcome) => Step::Ack(outcome),
-        Action::Hold(after) => Step::Hold {
-            after,
-            outcome: Outcome::Held,
-        },
-        Action::Locked(after) => Step::Hold {
-            after,
-            outcome: Outcome::Locked,
-        },
-        Action::Publish {
-            route,
-            message,
-            outcome,
-            reroute_after,
-        } => {
-            if let Some(tier) = route.tier {
-                match tiers {
-                    Tiers::Unknown => {
-                        return Step::Keep {
-                            reroute_after,
-                            missing_queue: None,
+pub fn plan(
+    batch: &[Delivery],
+    entries: &[Vec<Entry>],
+    actions: Vec<Action>,
+    names: &Names,
+    tiers: &Tiers,
+    pack_max: usize,
+) -> Plan {
+    let mut out = Plan {
+        deliveries: vec![DeliveryPlan::default(); batch.len()],
+        publishes: Vec::new(),
+    };
+    let mut groups: Vec<Group> = Vec::new();
+    let mut group_of: HashMap<(String, String), usize> = HashMap::new();
+    let mut actions = actions.into_iter();
+    for (d, (delivery, entries)) in batch.iter().zip(entries).enumerate() {
+        for entry in entries {
+            let Some(action) = actions.next() else {
+                // One action per entry, always; a shorter list keeps what it misses.
+                out.deliveries[d].again.push(Again {
+                    body: entry.body.clone(),
+                    after: None,
+                    outcome: Outcome::Held,
+                    kept: Some(None),
+                });
+                continue;
+            };
+            let mine = &mut out.deliveries[d];
+            match action {
+                Action::Ack(outcome) => mine.settled.push(outcome),
+                Action::Hold(after) => mine.again.push(Again {
+                    body: entry.body.clone(),
+                    after: Some(after),
+                    outcome: Outcome::Held,
+                    kept: None,
+                }),
+                Action::Locked(after) => mine.again.push(Again {
+                    body: entry.body.clone(),
+                    after: Some(after),
+                    outcome: Outcome::Locked,
+                    kept: None,
+                }),
+                Action::Publish {
+                    route,
+                    message,
+                    outcome,
+                    reroute_after,
+                } => {
+                    if let Some(tier) = route.tier {
+                        let missing = match tiers {
+                            Tiers::Unknown => Some(None),
+                            Tiers::Missing(m) if m.contains(&tier) => {
+                                Some(Some(names.wait_queue(tier)))
+                            }
+                            Tiers::Missing(_) => None,
                         };
+                        if let Some(missing) = missing {
+                            mine.again.push(Again {
+                                body: entry.body.clone(),
+                                after: reroute_after,
+                                outcome,
+                                kept: Some(missing),
+                            });
+                            continue;
+                        }
                     }
-                    Tiers::Missing(missing) if missing.contains(&tier) => {
-                        return Step::Keep {
-                            reroute_after,
-                            missing_queue: Some(names.wait_queue(tier)),
-                        };
-                    }
-                    Tiers::Missing(_) => {}
+                    let key = (route.exchange.clone(), route.routing_key.clone());
+                    let g = *group_of.entry(key).or_insert_with(|| {
+                        groups.push(Group {
+                            exchange: route.exchange.clone(),
+                            routing_key: route.routing_key.clone(),
+                            members: Vec::new(),
+                            messages: Vec::new(),
+                            hops: Vec::new(),
+                        });
+                        groups.len() - 1
+                    });
+                    let group = &mut groups[g];
+                    // A kind's deadline has no order timeline to record its hops in.
+                    group.hops.push(
+                        (message.deadline().is_none())
+                            .then(|| Hop::of(&message, route.tier.map(|t| t.name()), "worker")),
+                    );
+                    group.members.push(Member {
+                        delivery: d,
+                        body: entry.body.clone(),
+                        outcome,
+                        reroute_after,
+                    });
+                    group.messages.push(message);
+                }
+                Action::Park {
+                    reason,
+                    outcome,
+                    kind,
+                } => {
+                    mine.publishes.push(out.publishes.len());
+                    out.publishes.push(Publish {
+                        message: parked_entry(names, delivery, entries.len(), entry, kind, &reason),
+                        members: vec![Member {
+                            delivery: d,
+                            body: entry.body.clone(),
+                            outcome,
+                            reroute_after: None,
+                        }],
+                        park: Some(kind),
+                        hops: Vec::new(),
+                    });
                 }
             }
-            // A kind's deadline has no order timeline to record its hops in.
-            let hop = (message.deadline().is_none())
-                .then(|| Hop::of(&message, route.tier.map(|t| t.name()), "worker"));
-            Step::Publish(Box::new(Publish {
-                message: Outgoing::new(
-                    route.exchange,
-                    route.routing_key,
-                    message.encode(),
-                    message.properties(),
-                ),
-                outcome,
-                reroute_after,
-                park: None,
-                hop,
-            }))
         }
-        Action::Park {
-            reason,
-            outcome,
-            kind,
-        } => Step::Publish(Box::new(Publish {
-            message: parked_copy(names.parked(), delivery, kind, &reason),
-            outcome,
-            reroute_after: None,
-            park: Some(kind),
-            hop: None,
-        })),
     }
+    for group in groups {
+        out.pack(group, pack_max.max(1));
+    }
+    out
+}
+
+impl Plan {
+    /// A group's packs, at most `max` entries each, in the order they came.
+    fn pack(&mut self, group: Group, max: usize) {
+        let Group {
+            exchange,
+            routing_key,
+            members,
+            messages,
+            hops,
+        } = group;
+        let mut members = members.into_iter();
+        let mut hops = hops.into_iter();
+        for chunk in messages.chunks(max) {
+            let bodies: Vec<Vec<u8>> = chunk.iter().map(TimeoutMessage::encode).collect();
+            let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+            let carried: Vec<&TimeoutMessage> = chunk.iter().collect();
+            let mine: Vec<Member> = members.by_ref().take(chunk.len()).collect();
+            let chunk_hops: Vec<Hop> = hops.by_ref().take(chunk.len()).flatten().collect();
+            let index = self.publishes.len();
+            for m in &mine {
+                let publishes = &mut self.deliveries[m.delivery].publishes;
+                if publishes.last() != Some(&index) {
+                    publishes.push(index);
+                }
+            }
+            self.publishes.push(Publish {
+                message: Outgoing::new(
+                    exchange.clone(),
+                    routing_key.clone(),
+                    pack::body(&refs),
+                    pack::properties(&carried),
+                ),
+                members: mine,
+                park: None,
+                hops: chunk_hops,
+            });
+        }
+    }
+}
+
+/// The parked copy of one entry: the delivery's own copy when it carried only this
+/// entry (as lapse always parked), else the entry's body with its own properties.
+pub fn parked_entry(
+    names: &Names,
+    delivery: &Delivery,
+    entries: usize,
+    entry: &Entry,
+    cause: &str,
+    reason: &str,
+) -> Outgoing {
+    let base = if entries == 1 {
+        delivery.properties.clone()
+    } else {
+        match &entry.message {
+            Ok(m) => m.properties(),
+            Err(_) => BasicProperties::default().with_delivery_mode(2),
+        }
+    };
+    Outgoing::new(
+        names.parked(),
+        String::new(),
+        entry.body.clone(),
+        parked_properties(&base, cause, reason),
+    )
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::message::{PARK_REASON_HEADER, Route, TimeoutMessage, park_reason};
-    use crate::tier::TierSet;
-
-    fn tier(s: &str) -> Tier {
-        Tier::parse(s).unwrap()
-    }
-
-    fn redelay(names: &Names, to: &str) -> Action {
-        let tiers = TierSet::new(vec![tier(to)]);
-        let at = chrono::Utc::now() + chrono::TimeDelta::seconds(60);
-        Action::Publish {
-            route: Route::tier(names, tiers.smallest()),
-            message: TimeoutMessage::new(7, at, 1),
-            outcome: Outcome::Redelayed,
-            reroute_after: Some(Duration::from_secs(50)),
-        }
-    }
-
-    /// A step as one line, for the table below.
-    fn shown(step: &Step) -> String {
-        match step {
-            Step::Ack(o) => format!("ack {}", o.as_str()),
-            Step::Hold { after, outcome } => format!("hold {after:?} {}", outcome.as_str()),
-            Step::Keep {
-                reroute_after,
-                missing_queue,
-            } => format!(
-                "keep {:?} missing={}",
-                reroute_after.unwrap_or_default(),
-                missing_queue.as_deref().unwrap_or("-")
-            ),
-            Step::Publish(p) => {
-                let mut s = format!(
-                    "publish {}/{} {}",
-                    p.message.exchange,
-                    p.message.routing_key,
-                    p.outcome.as_str()
-                );
-                if let Some(kind) = p.park {
-                    s += &format!(" park={kind}");
-                }
-                if let Some(hop) = &p.hop {
-                    s += &format!(" hop={}", hop.tier);
-                }
-                s
-            }
-        }
-    }
-
-    /// Every action, with every answer of the tier check, and the step it becomes.
-    #[test]
-    fn each_action_becomes_its_step() {
-        let names = Names::new("t");
-        let delivery = Delivery::mock(0, "t.due".into(), "due".into(), false, b"{}".to_vec());
-        let none = Tiers::Missing(BTreeSet::new());
-        let ten_missing = Tiers::Missing(BTreeSet::from([tier("10s")]));
-        let five_missing = Tiers::Missing(BTreeSet::from([tier("5s")]));
-        let park = |outcome, kind| Action::Park {
-            reason: "why".into(),
-            outcome,
-            kind,
-        };
-        let ms = Duration::from_millis;
-        #[rustfmt::skip]
-        let table: Vec<(&str, Action, &Tiers, &str)> = vec![
-            ("settled",            Action::Ack(Outcome::Settled), &none, "ack settled"),
-            ("closed",             Action::Ack(Outcome::Closed),  &none, "ack closed"),
-            ("short remainder",    Action::Hold(ms(300)),         &none, "hold 300ms held"),
-            ("row locked",         Action::Locked(ms(500)),       &none, "hold 500ms locked"),
-            ("tier exists",        redelay(&names, "10s"),        &none, "publish t.delay/10s redelayed hop=10s"),
-            ("other tier missing", redelay(&names, "10s"),        &five_missing, "publish t.delay/10s redelayed hop=10s"),
-            ("tier missing",       redelay(&names, "10s"),        &ten_missing, "keep 50s missing=t.wait.10s"),
-            ("tier check failed",  redelay(&names, "10s"),        &Tiers::Unknown, "keep 50s missing=-"),
-            ("undecodable",        park(Outcome::Parked, "undecodable"),  &none, "publish t.parked/ parked park=undecodable"),
-            ("bad deadline",       park(Outcome::Parked, "bad_deadline"), &none, "publish t.parked/ parked park=bad_deadline"),
-            ("unknown shard",      park(Outcome::Parked, "unknown_shard"), &none, "publish t.parked/ parked park=unknown_shard"),
-            ("gave up",            park(Outcome::GaveUp, "database_unavailable"), &Tiers::Unknown, "publish t.parked/ gave_up park=database_unavailable"),
-        ];
-        for (case, action, tiers, expected) in table {
-            let step = plan(action, &delivery, &names, tiers);
-            assert_eq!(shown(&step), expected, "{case}");
-            if let Step::Publish(p) = &step
-                && let Publish {
-                    park: Some(_),
-                    message,
-                    ..
-                } = p.as_ref()
-            {
-                assert_eq!(
-                    park_reason(message.properties.headers().as_ref()).as_deref(),
-                    Some("why"),
-                    "{case}: a parked copy carries {PARK_REASON_HEADER}"
-                );
-                assert_eq!(message.body, b"{}", "{case}: the original body is parked");
-            }
-        }
-    }
-}
+#[path = "plan_tests.rs"]
+mod tests;

@@ -45,6 +45,8 @@ pub(super) struct RowPublish {
     /// The shop's exchange an event goes to (checked before publishing: a publish to
     /// an exchange that does not exist would close the relay's channel).
     pub shop_exchange: Option<String>,
+    /// The timeout it carries (a pack may take it along with others of its route).
+    pub timeout: Option<TimeoutMessage>,
 }
 
 impl Relay {
@@ -134,6 +136,7 @@ impl Relay {
             tier: None,
             reroute_after: None,
             shop_exchange: None,
+            timeout: None,
         }
     }
 
@@ -183,6 +186,7 @@ impl Relay {
             attempts,
             tier: None,
             reroute_after: None,
+            timeout: None,
         }
     }
 
@@ -228,6 +232,7 @@ impl Relay {
                 tier: None,
                 reroute_after: None,
                 shop_exchange: None,
+                timeout: None,
             };
         }
         let body = payload.to_string().into_bytes();
@@ -279,6 +284,7 @@ impl Relay {
                     tier: route.tier,
                     reroute_after,
                     shop_exchange: None,
+                    timeout: Some(message),
                 }
             }
             // Rows written by lapse's functions always decode; anything else is kept.
