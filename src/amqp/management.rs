@@ -58,6 +58,20 @@ pub struct QueueInfo {
     pub online: Option<Vec<String>>,
     #[serde(default, deserialize_with = "name")]
     pub leader: Option<String>,
+    /// Counters of what went through the queue (sampled by the management plugin).
+    #[serde(default)]
+    pub message_stats: Option<MessageStats>,
+}
+
+/// A queue's message counters since it was declared.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct MessageStats {
+    /// Messages that entered the queue (published or dead-lettered into it).
+    #[serde(default)]
+    pub publish: Option<u64>,
+    /// Messages delivered to consumers or fetched.
+    #[serde(default)]
+    pub deliver_get: Option<u64>,
 }
 
 fn names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {

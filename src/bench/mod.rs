@@ -17,6 +17,7 @@ pub mod report;
 mod saturation;
 mod steady;
 pub mod svg;
+mod traffic;
 
 use std::time::{Duration, Instant};
 

@@ -9,6 +9,7 @@ use super::load::Steady;
 use super::measure;
 use super::progress::Progress;
 use super::report::ScenarioReport;
+use super::traffic::Traffic;
 use super::{Meter, settle_limit};
 
 pub async fn steady(env: &mut BenchEnv, load: &Steady) -> anyhow::Result<ScenarioReport> {
@@ -29,6 +30,7 @@ pub async fn step(env: &BenchEnv, load: &Steady, name: &str) -> anyhow::Result<S
     let db = env.client().await?;
     let after = measure::last_id(&db).await?;
     let clients = load.connect(env).await?;
+    let traffic = Traffic::sample(env, &db, false).await;
     let meter = Meter::start(env);
     let progress = Progress::new(&format!("{name}: created"), load.total());
     let (orders, creating) = load.run(clients, &progress).await?;
@@ -41,6 +43,7 @@ pub async fn step(env: &BenchEnv, load: &Steady, name: &str) -> anyhow::Result<S
     report.lost = measure::wait_settled(&db, report.orders, settle_limit(load), &progress).await?;
     let orders = report.orders;
     meter.stop(env, &mut report, orders);
+    traffic.record(Traffic::sample(env, &db, true).await, &mut report, orders);
     measure::closes(&db, &mut report, after).await?;
     Ok(report)
 }
