@@ -41,6 +41,11 @@ impl RateLimiter {
         }
     }
 
+    /// True when there is a limit.
+    pub fn is_limited(&self) -> bool {
+        self.inner.is_some()
+    }
+
     /// Waits until `n` units may proceed.
     pub async fn acquire(&self, n: usize) {
         let Some(inner) = &self.inner else { return };

@@ -35,6 +35,8 @@ async fn the_sweeper_closes_what_a_purge_of_the_wait_queues_lost() {
     // the due queue. Purging both until all 100 are gone loses every one of them
     // however slowly a loaded machine relays them.
     config.worker.consumer = false;
+    // The purges count messages: one deadline per message, so that 100 means all.
+    config.packs.max_entries = 1;
     let worker = env.start(&config).await;
     let mut db = env.db().await;
     create_orders(&mut db, &[Duration::from_secs(5); 100], &one_line()).await;
@@ -120,7 +122,11 @@ async fn intents_survive_a_dead_relay_and_a_broker_refusing_publishes() {
     create_orders(&mut db, &deadlines, &one_line()).await;
     assert_eq!(count(&db, "SELECT count(*) FROM outbox").await, 200);
 
-    let worker = env.start(&env.config()).await;
+    // A queue's length limit counts messages: one deadline per message, so that the
+    // tier fills up with deadlines.
+    let mut config = env.config();
+    config.packs.max_entries = 1;
+    let worker = env.start(&config).await;
     eventually(Duration::from_secs(60), "every order closed", || async {
         (unpaid(&db).await == 0).then_some(())
     })

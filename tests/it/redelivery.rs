@@ -123,7 +123,8 @@ async fn a_tier_refusing_redelays_never_spends_a_delivery_and_parks_nothing() {
     assert_never_early(&db).await;
     assert!(
         worker.stats.get(Outcome::PublishRefused) > 0,
-        "the tier refused the worker's re-delays: {:?}", worker.stats.summary()
+        "the tier refused the worker's re-delays: {:?}",
+        worker.stats.summary()
     );
     assert_eq!(depth(&env, &names.parked()).await, 0);
     worker.stop().await;

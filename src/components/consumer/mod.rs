@@ -83,6 +83,7 @@ impl BatchHandler for Batches<'_> {
                 &mut session.publishing,
                 &mut session.source,
                 &mut self.retry,
+                (token, busy),
             )
             .await?;
         // Pay for the closes after the fact: the next batch waits, so a backlog
@@ -107,7 +108,8 @@ pub struct BatchReport {
     /// Deliveries whose publish failed; the worker keeps them and decides them again
     /// after a back-off.
     pub retrying: usize,
-    /// Orders this batch closed (what the closes-per-second limit charges).
+    /// Closes of this batch the closes-per-second limit has not charged yet (a batch
+    /// decided in chunks pays for the earlier chunks as it goes).
     pub closed: usize,
 }
 
@@ -180,6 +182,7 @@ impl Consumer {
         publishing: &mut PublishingConnection,
         source: &mut BatchSource,
         retry: &mut Backoff,
+        pacing: (&CancellationToken, &Busy),
     ) -> Result<BatchReport, BrokerError> {
         let entries: Vec<Vec<Entry>> = batch.iter().map(|d| pack::unpack(&d.data)).collect();
         let messages: Vec<_> = entries
@@ -190,10 +193,7 @@ impl Consumer {
         // Holds count from the moment the clock was read, not from when this batch
         // finished: the time spent deciding must not add to the lateness.
         let read_at = tokio::time::Instant::now();
-        let (actions, closed) = self.decider.decide(&messages).await;
-        for (_, c) in &closed {
-            self.stats.lateness(c.lateness(), "timeout");
-        }
+        let (actions, closed) = self.decide_in_chunks(&messages, read_at, pacing).await;
         let mut kept = Kept::default();
         let tiers = self.tiers_for(&actions, publishing, &mut kept).await;
         let away = self.shards_away(&actions);
@@ -219,8 +219,56 @@ impl Consumer {
                 kept,
             )
             .await?;
-        report.closed = closed.len();
+        report.closed = closed;
         Ok(report)
+    }
+
+    /// The most entries one decision (one transaction per shard) takes: a batch's
+    /// worth under a closes-per-second limit (so that the limit paces within a pack
+    /// too), else at least a whole pack.
+    fn chunk_size(&self) -> usize {
+        if self.limiter.is_limited() {
+            self.batching.batch_size.max(1)
+        } else {
+            self.batching.batch_size.max(self.pack_max).max(1)
+        }
+    }
+
+    /// Decides `messages` a chunk at a time, paying the rate limit for each chunk's
+    /// closes before the next; returns the actions (their waits counted from
+    /// `read_at`) and the closes of the last chunk, which the caller pays for once
+    /// the batch is carried out. On shutdown the undecided rest is held: dropped
+    /// with the session, unacknowledged, for the broker to deliver again.
+    async fn decide_in_chunks(
+        &self,
+        messages: &[Result<crate::message::TimeoutMessage, crate::message::DecodeError>],
+        read_at: tokio::time::Instant,
+        (token, busy): (&CancellationToken, &Busy),
+    ) -> (Vec<Action>, usize) {
+        let mut actions = Vec::with_capacity(messages.len());
+        let mut unpaid = 0;
+        let mut chunks = messages.chunks(self.chunk_size()).peekable();
+        while let Some(chunk) = chunks.next() {
+            let offset = read_at.elapsed();
+            let (decided, closed) = self.decider.decide(chunk).await;
+            for (_, c) in &closed {
+                self.stats.lateness(c.lateness(), "timeout");
+            }
+            actions.extend(decided.into_iter().map(|a| a.later_by(offset)));
+            unpaid = closed.len();
+            if chunks.peek().is_some() {
+                let paid = busy
+                    .idle_while(self.limiter.acquire_or_cancelled(unpaid, token))
+                    .await;
+                unpaid = 0;
+                if !paid {
+                    let rest = messages.len() - actions.len();
+                    actions.extend((0..rest).map(|_| Action::Hold(std::time::Duration::ZERO)));
+                    break;
+                }
+            }
+        }
+        (actions, unpaid)
     }
     /// Which wait tiers the batch's re-delays need are missing (one check for the
     /// batch); unknown when the check itself failed (the reason is kept).
