@@ -16,6 +16,7 @@ use lapin::types::ShortString;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::config::MAX_PACK_ENTRIES;
 use crate::message::{DecodeError, TimeoutMessage};
 
 /// The body version of a pack.
@@ -60,12 +61,17 @@ pub fn unpack(body: &[u8]) -> Vec<Entry> {
             message: TimeoutMessage::decode(body),
         }]
     };
-    let is_pack =
-        serde_json::from_slice::<VersionOnly>(body).is_ok_and(|v| v.v == u64::from(PACK_VERSION));
-    if !is_pack {
+    if !is_pack(body) {
         return single();
     }
     match serde_json::from_slice::<PackBody>(body) {
+        Ok(pack) if pack.entries.len() > MAX_PACK_ENTRIES => vec![Entry {
+            body: body.to_vec(),
+            message: Err(DecodeError::Malformed(format!(
+                "a pack of {} entries, more than the {MAX_PACK_ENTRIES} a pack may carry",
+                pack.entries.len()
+            ))),
+        }],
         Ok(pack) if pack.v == u64::from(PACK_VERSION) && !pack.entries.is_empty() => pack
             .entries
             .into_iter()
@@ -87,10 +93,18 @@ pub fn unpack(body: &[u8]) -> Vec<Entry> {
     }
 }
 
+fn is_pack(body: &[u8]) -> bool {
+    serde_json::from_slice::<VersionOnly>(body).is_ok_and(|v| v.v == u64::from(PACK_VERSION))
+}
+
 /// The body carrying `entries`: the one entry's own body, or a pack of them (each
 /// entry's body as it is, so an entry nobody could decode travels unchanged).
 pub fn body(entries: &[&[u8]]) -> Vec<u8> {
-    if let [one] = entries {
+    // A lone entry travels as itself, unless it would read as a pack (a hostile
+    // entry that is one): then it stays wrapped, and is parked as what it is.
+    if let [one] = entries
+        && !is_pack(one)
+    {
         return one.to_vec();
     }
     let size = entries.iter().map(|e| e.len() + 1).sum::<usize>() + 24;
@@ -178,6 +192,23 @@ mod tests {
             assert!(entries[0].message.is_err(), "{hostile:?}");
             assert_eq!(entries[0].body, hostile.to_vec());
         }
+    }
+
+    #[test]
+    fn a_lone_entry_that_is_a_pack_stays_wrapped_and_an_oversized_pack_is_one_bad_entry() {
+        let inner = body(&[b"{}".as_slice(), b"{}".as_slice()]);
+        let outer = body(&[&inner]);
+        assert_ne!(outer, inner);
+        let entries = unpack(&outer);
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].body, inner);
+        assert_eq!(entries[0].message, Err(DecodeError::UnknownVersion(3)));
+        let many: Vec<&[u8]> = vec![b"{}".as_slice(); MAX_PACK_ENTRIES + 1];
+        let entries = unpack(&body(&many));
+        assert_eq!(entries.len(), 1);
+        assert!(
+            matches!(&entries[0].message, Err(DecodeError::Malformed(m)) if m.contains("more than"))
+        );
     }
 
     #[test]

@@ -16,12 +16,12 @@ pub const MAX_PACK_ENTRIES: usize = 10_000;
 pub struct PacksConfig {
     /// The most deadlines one timeout message carries. 1 turns packs off: every
     /// deadline travels alone, as before packs (set it while workers of a version
-    /// without packs still consume the same prefix, see docs/upgrading.md).
+    /// without packs still consume the same prefix, docs/pipeline.md "Packs").
     pub max_entries: usize,
     /// The relay packs deadlines whose first hop is the same tier and whose deadlines
     /// lie within this of the pack's earliest. Wider packs carry more deadlines per
-    /// message; the later entries of a pack reach the due queue up to this much
-    /// before their deadline and the worker holds them (no lateness, a little memory).
+    /// message; at their last hops the entries of a wide pack part more often (each
+    /// takes its own next route, so none is early).
     #[serde(with = "humantime_serde")]
     pub window: Duration,
 }
@@ -45,7 +45,7 @@ pub(super) fn validate(p: &PacksConfig) -> Result<(), ConfigError> {
     if p.window > Duration::from_secs(60) {
         return Err(ConfigError::new(
             "packs.window",
-            "must be at most 60s (a pack's later entries wait that long in the worker)",
+            "must be at most 60s (wider packs only part again at their last hops)",
         ));
     }
     Ok(())

@@ -100,11 +100,15 @@ const COLUMNS: &str = "seq, id, kind, cause, order_id, shard, deadline, deadline
 
 fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
     let body: Vec<u8> = column(r, "body")?;
-    let kind: Kind = from_word(column(r, "kind")?).unwrap_or(Kind::Unreadable);
+    let mut kind: Kind = from_word(column(r, "kind")?).unwrap_or(Kind::Unreadable);
+    // A pack a worker older than packs archived as unreadable is a timeout to this one.
     let (timeout, pack) = match kind {
-        Kind::Timeout => super::entry::timeouts(&body),
-        _ => (None, Vec::new()),
+        Kind::Timeout | Kind::Unreadable => super::entry::timeouts(&body),
+        Kind::Release => (None, Vec::new()),
     };
+    if kind == Kind::Unreadable && timeout.is_some() {
+        kind = Kind::Timeout;
+    }
     let shard: Option<i32> = column(r, "shard")?;
     let attempts: i64 = column(r, "attempts")?;
     Ok(Row {

@@ -95,7 +95,13 @@ impl Entry {
         // Ids name the shard like message ids do (order ids repeat across shards).
         let (id, kind, shard) = match (&timeout, release) {
             (Some(m), _) if !pack.is_empty() => (
-                format!("pack-{}-n{}", m.message_id(), pack.len()),
+                // Its contents named too: two packs of one size may share an earliest entry.
+                format!(
+                    "pack-{}-n{}-{:08x}",
+                    m.message_id(),
+                    pack.len(),
+                    fnv1a(body) as u32
+                ),
                 Kind::Timeout,
                 Some(m.shard),
             ),

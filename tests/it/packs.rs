@@ -209,10 +209,15 @@ async fn a_worker_stopped_between_closing_half_a_pack_and_acknowledging_it_loses
         (n == 10).then_some(())
     })
     .await;
+    // The pack is held (one hold of the delivery) with the other half in it.
     eventually(Duration::from_secs(5), "the other half held", || async {
-        (first.stats.get(Outcome::Held) >= 10).then_some(())
+        (first.stats.get(Outcome::Held) >= 1).then_some(())
     })
     .await;
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'UNPAID'").await,
+        10
+    );
     first.stop().await;
     let second = env.start(&config).await;
     eventually(Duration::from_secs(60), "the held half closed", || async {
@@ -240,7 +245,7 @@ async fn a_pack_parked_whole_is_listed_and_replayed() {
     let listed = list(&env);
     assert_eq!(listed.len(), 1, "{listed:?}");
     let id = listed[0]["id"].as_str().unwrap().to_string();
-    assert!(id.starts_with("pack-") && id.ends_with("-n5"), "{id}");
+    assert!(id.starts_with("pack-") && id.contains("-n5-"), "{id}");
     assert_eq!(listed[0]["kind"], "timeout");
     let mut config = env.config();
     config.worker.relay = false;

@@ -50,32 +50,6 @@ pub enum Action {
     Locked(Duration),
 }
 
-impl Action {
-    /// The same action, decided `offset` after the clock read it is counted from:
-    /// its waits grow by that much.
-    pub fn later_by(self, offset: Duration) -> Self {
-        if offset.is_zero() {
-            return self;
-        }
-        match self {
-            Action::Hold(d) => Action::Hold(d + offset),
-            Action::Locked(d) => Action::Locked(d + offset),
-            Action::Publish {
-                route,
-                message,
-                outcome,
-                reroute_after,
-            } => Action::Publish {
-                route,
-                message,
-                outcome,
-                reroute_after: reroute_after.map(|r| r + offset),
-            },
-            other => other,
-        }
-    }
-}
-
 #[derive(Clone)]
 pub struct Decider {
     /// One pool per order database; a message's `shard` chooses.

@@ -136,7 +136,9 @@ impl Consumer {
                 }
                 Err(e) => {
                     if matches!(e, BrokerError::Nacked { .. }) {
-                        self.stats.record(Outcome::PublishRefused, 1);
+                        // Per re-delay, as the metric says: a refused pack is many.
+                        self.stats
+                            .record(Outcome::PublishRefused, p.members.len() as u64);
                     }
                     kept.because(e);
                     for m in p.members {
@@ -182,8 +184,12 @@ impl Consumer {
             if s.kept() {
                 kept.keep(delivery, first);
             } else {
-                for a in &s.again {
-                    self.stats.record(a.outcome, 1);
+                // One hold of the delivery, as before packs: its entries are counted
+                // as held once per hold, not once each.
+                let held = s.again.iter().filter(|a| !a.deferred).map(|a| a.outcome);
+                if let Some(outcome) = held.reduce(|a, b| if b == Outcome::Locked { b } else { a })
+                {
+                    self.stats.record(outcome, 1);
                 }
                 report.held += 1;
                 source.hold(delivery, read_at + first.unwrap_or(Duration::ZERO));
@@ -234,10 +240,15 @@ impl Consumer {
         deliveries: &[Option<Delivery>],
         error: &BrokerError,
     ) -> Outgoing {
-        let base = deliveries[m.delivery]
-            .as_ref()
-            .map(|d| d.properties.clone())
-            .unwrap_or_default();
+        // The delivery's own properties when it carried just this entry (as lapse
+        // always parked), else the entry's, not the pack's.
+        let delivery = deliveries[m.delivery].as_ref();
+        let base = match delivery {
+            Some(d) if d.data == m.body => d.properties.clone(),
+            _ => crate::message::TimeoutMessage::decode(&m.body)
+                .map(|t| t.properties())
+                .unwrap_or_else(|_| lapin::BasicProperties::default().with_delivery_mode(2)),
+        };
         Outgoing::new(
             self.names.parked(),
             String::new(),
@@ -312,6 +323,7 @@ fn kept_again(m: Member) -> Again {
         after: m.reroute_after,
         outcome: m.outcome,
         kept: Some(None),
+        deferred: false,
     }
 }
 

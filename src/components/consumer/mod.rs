@@ -25,7 +25,7 @@ mod plan;
 pub use decide::{Action, Decider};
 use execute::Planned;
 use kept::Kept;
-pub use plan::{Plan, Tiers, plan, wanted_tiers};
+pub use plan::{Plan, Tiers, Waiting, plan, wanted_tiers};
 
 use std::collections::BTreeSet;
 
@@ -83,7 +83,6 @@ impl BatchHandler for Batches<'_> {
                 &mut session.publishing,
                 &mut session.source,
                 &mut self.retry,
-                (token, busy),
             )
             .await?;
         // Pay for the closes after the fact: the next batch waits, so a backlog
@@ -108,8 +107,7 @@ pub struct BatchReport {
     /// Deliveries whose publish failed; the worker keeps them and decides them again
     /// after a back-off.
     pub retrying: usize,
-    /// Closes of this batch the closes-per-second limit has not charged yet (a batch
-    /// decided in chunks pays for the earlier chunks as it goes).
+    /// Orders this batch closed (what the closes-per-second limit charges).
     pub closed: usize,
 }
 
@@ -182,24 +180,27 @@ impl Consumer {
         publishing: &mut PublishingConnection,
         source: &mut BatchSource,
         retry: &mut Backoff,
-        pacing: (&CancellationToken, &Busy),
     ) -> Result<BatchReport, BrokerError> {
-        let entries: Vec<Vec<Entry>> = batch.iter().map(|d| pack::unpack(&d.data)).collect();
+        // Holds count from the moment the clock was read, not from when this batch
+        // finished: the time spent deciding must not add to the lateness.
+        let read_at = tokio::time::Instant::now();
+        let (entries, waiting) = self.split(&batch, chrono::Utc::now());
         let messages: Vec<_> = entries
             .iter()
             .flatten()
             .map(|e| e.message.clone())
             .collect();
-        // Holds count from the moment the clock was read, not from when this batch
-        // finished: the time spent deciding must not add to the lateness.
-        let read_at = tokio::time::Instant::now();
-        let (actions, closed) = self.decide_in_chunks(&messages, read_at, pacing).await;
+        let (actions, closed) = self.decider.decide(&messages).await;
+        for (_, c) in &closed {
+            self.stats.lateness(c.lateness(), "timeout");
+        }
         let mut kept = Kept::default();
         let tiers = self.tiers_for(&actions, publishing, &mut kept).await;
         let away = self.shards_away(&actions);
         let plan = plan(
             &batch,
             &entries,
+            waiting,
             actions,
             &self.names,
             &tiers,
@@ -219,11 +220,11 @@ impl Consumer {
                 kept,
             )
             .await?;
-        report.closed = closed;
+        report.closed = closed.len();
         Ok(report)
     }
 
-    /// The most entries one decision (one transaction per shard) takes: a batch's
+    /// The most entries one batch decides (one transaction per shard): a batch's
     /// worth under a closes-per-second limit (so that the limit paces within a pack
     /// too), else at least a whole pack.
     fn chunk_size(&self) -> usize {
@@ -234,42 +235,53 @@ impl Consumer {
         }
     }
 
-    /// Decides `messages` a chunk at a time, paying the rate limit for each chunk's
-    /// closes before the next; returns the actions (their waits counted from
-    /// `read_at`) and the closes of the last chunk, which the caller pays for once
-    /// the batch is carried out. On shutdown the undecided rest is held: dropped
-    /// with the session, unacknowledged, for the broker to deliver again.
-    async fn decide_in_chunks(
+    /// The entries of each delivery to decide now, and those to leave for later
+    /// without asking the database: an entry not due by this worker's clock and
+    /// nearer than the smallest tier (it would only be held; a pack's later entries
+    /// wait so, and are read once each when due, not once per earlier entry), and
+    /// entries past the batch's budget (decided in the next batch, so that a pack of
+    /// thousands is decided a batch at a time and the rate limit paces it too).
+    fn split(
         &self,
-        messages: &[Result<crate::message::TimeoutMessage, crate::message::DecodeError>],
-        read_at: tokio::time::Instant,
-        (token, busy): (&CancellationToken, &Busy),
-    ) -> (Vec<Action>, usize) {
-        let mut actions = Vec::with_capacity(messages.len());
-        let mut unpaid = 0;
-        let mut chunks = messages.chunks(self.chunk_size()).peekable();
-        while let Some(chunk) = chunks.next() {
-            let offset = read_at.elapsed();
-            let (decided, closed) = self.decider.decide(chunk).await;
-            for (_, c) in &closed {
-                self.stats.lateness(c.lateness(), "timeout");
-            }
-            actions.extend(decided.into_iter().map(|a| a.later_by(offset)));
-            unpaid = closed.len();
-            if chunks.peek().is_some() {
-                let paid = busy
-                    .idle_while(self.limiter.acquire_or_cancelled(unpaid, token))
-                    .await;
-                unpaid = 0;
-                if !paid {
-                    let rest = messages.len() - actions.len();
-                    actions.extend((0..rest).map(|_| Action::Hold(std::time::Duration::ZERO)));
-                    break;
+        batch: &[Delivery],
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> (Vec<Vec<Entry>>, Vec<Vec<Waiting>>) {
+        let smallest = self.decider.tiers.smallest().duration();
+        let mut budget = self.chunk_size();
+        batch
+            .iter()
+            .map(|d| {
+                let mut decide = Vec::new();
+                let mut wait = Vec::new();
+                for entry in pack::unpack(&d.data) {
+                    let ahead = entry
+                        .message
+                        .as_ref()
+                        .ok()
+                        .and_then(|m| (m.expire_at - now).to_std().ok())
+                        .filter(|r| !r.is_zero() && *r < smallest);
+                    if let Some(after) = ahead {
+                        wait.push(Waiting {
+                            body: entry.body,
+                            after,
+                            deferred: false,
+                        });
+                    } else if budget == 0 {
+                        wait.push(Waiting {
+                            body: entry.body,
+                            after: std::time::Duration::ZERO,
+                            deferred: true,
+                        });
+                    } else {
+                        budget -= 1;
+                        decide.push(entry);
+                    }
                 }
-            }
-        }
-        (actions, unpaid)
+                (decide, wait)
+            })
+            .unzip()
     }
+
     /// Which wait tiers the batch's re-delays need are missing (one check for the
     /// batch); unknown when the check itself failed (the reason is kept).
     async fn tiers_for(

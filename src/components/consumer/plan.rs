@@ -43,6 +43,18 @@ pub struct Again {
     /// Not published: its wait tier has no queue (named), or nobody knows (`None`).
     /// Such an entry is kept (the back-off grows), not merely held.
     pub kept: Option<Option<String>>,
+    /// Not decided in this batch for want of room (not a hold to count).
+    pub deferred: bool,
+}
+
+/// An entry left for later without a decision (see the consumer's `split`).
+#[derive(Clone, Debug)]
+pub struct Waiting {
+    pub body: Vec<u8>,
+    /// Decide it after this long, counted from the batch's clock read.
+    pub after: Duration,
+    /// Past the batch's budget, rather than not due yet.
+    pub deferred: bool,
 }
 
 /// What one delivery's entries need beyond the batch's publishes.
@@ -108,12 +120,14 @@ struct Group {
     hops: Vec<Option<Hop>>,
 }
 
-/// The plan for a batch: `entries[i]` are delivery `i`'s, `actions` one per entry in
-/// the same order (flattened).
+/// The plan for a batch: `entries[i]` are delivery `i`'s entries decided now, with
+/// `actions` one per entry in the same order (flattened); `waiting[i]` its entries
+/// left for later.
 // Over 60 lines on purpose: one arm per action; the table test below covers each.
 pub fn plan(
     batch: &[Delivery],
     entries: &[Vec<Entry>],
+    waiting: Vec<Vec<Waiting>>,
     actions: Vec<Action>,
     names: &Names,
     tiers: &Tiers,
@@ -125,6 +139,17 @@ pub fn plan(
     };
     let mut groups: Vec<Group> = Vec::new();
     let mut group_of: HashMap<(String, String), usize> = HashMap::new();
+    for (d, waiting) in waiting.into_iter().enumerate().take(batch.len()) {
+        out.deliveries[d]
+            .again
+            .extend(waiting.into_iter().map(|w| Again {
+                body: w.body,
+                after: Some(w.after),
+                outcome: Outcome::Held,
+                kept: None,
+                deferred: w.deferred,
+            }));
+    }
     let mut actions = actions.into_iter();
     for (d, (delivery, entries)) in batch.iter().zip(entries).enumerate() {
         for entry in entries {
@@ -135,6 +160,7 @@ pub fn plan(
                     after: None,
                     outcome: Outcome::Held,
                     kept: Some(None),
+                    deferred: false,
                 });
                 continue;
             };
@@ -146,12 +172,14 @@ pub fn plan(
                     after: Some(after),
                     outcome: Outcome::Held,
                     kept: None,
+                    deferred: false,
                 }),
                 Action::Locked(after) => mine.again.push(Again {
                     body: entry.body.clone(),
                     after: Some(after),
                     outcome: Outcome::Locked,
                     kept: None,
+                    deferred: false,
                 }),
                 Action::Publish {
                     route,
@@ -173,6 +201,7 @@ pub fn plan(
                                 after: reroute_after,
                                 outcome,
                                 kept: Some(missing),
+                                deferred: false,
                             });
                             continue;
                         }

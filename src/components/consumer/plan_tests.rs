@@ -111,6 +111,7 @@ fn each_action_becomes_its_step() {
         let plan = plan(
             &batch,
             std::slice::from_ref(&one),
+            vec![Vec::new()],
             vec![action],
             &names,
             tiers,
@@ -153,9 +154,18 @@ fn entries_sharing_a_route_leave_as_packs_and_parked_ones_alone() {
         redelay(&names, "10s", 6),
     ];
     let none = Tiers::Missing(BTreeSet::new());
+    let waiting = vec![
+        Vec::new(),
+        vec![Waiting {
+            body: b"later".to_vec(),
+            after: Duration::from_millis(70),
+            deferred: false,
+        }],
+    ];
     let plan = plan(
         &batch,
         &[entries_a.clone(), entries_b.clone()],
+        waiting,
         actions,
         &names,
         &none,
@@ -189,8 +199,14 @@ fn entries_sharing_a_route_leave_as_packs_and_parked_ones_alone() {
     );
     assert_eq!(plan.deliveries[0].publishes, vec![0, 1, 3]);
     assert_eq!(plan.deliveries[1].publishes, vec![1, 2]);
-    assert_eq!(plan.deliveries[1].again.len(), 1);
-    assert_eq!(plan.deliveries[1].again[0].body, entries_b[1].body);
+    // The entry left waiting comes first, then the one the decision held.
+    assert_eq!(plan.deliveries[1].again.len(), 2);
+    assert_eq!(plan.deliveries[1].again[0].body, b"later");
+    assert_eq!(
+        plan.deliveries[1].again[0].after,
+        Some(Duration::from_millis(70))
+    );
+    assert_eq!(plan.deliveries[1].again[1].body, entries_b[1].body);
     assert!(
         plan.publishes[1]
             .members
