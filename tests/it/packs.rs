@@ -263,3 +263,47 @@ async fn a_pack_parked_whole_is_listed_and_replayed() {
     drop(db);
     env.cleanup().await;
 }
+
+/// A pack a worker older than packs parked, and its archiver booked as unreadable
+/// (it could not read version 3): this version reads it as a timeout and replays it.
+#[tokio::test]
+async fn a_pack_booked_as_unreadable_by_an_older_worker_is_replayed() {
+    let env = TestEnv::with_database(&["1s", "1m"]).await;
+    let mut db = env.db().await;
+    let ids = create_orders(&mut db, &[Duration::from_millis(500); 3], &[]).await;
+    let messages = timeouts(&db, &ids).await;
+    let body = packed(
+        &messages
+            .iter()
+            .map(TimeoutMessage::encode)
+            .collect::<Vec<_>>(),
+    );
+    db.execute(
+        "INSERT INTO lapse_parked (prefix, fingerprint, id, kind, cause, reason, reason_source,
+                                   exchange, routing_key, body)
+         VALUES ($1, 'older', 'raw-00000000000000aa', 'unreadable', 'undecodable',
+                 'unknown message version 3 (this worker understands 1 and 2)', 'lapse',
+                 $2, 'due', $3)",
+        &[&env.prefix, &env.names().due_exchange(), &body],
+    )
+    .await
+    .unwrap();
+    let listed = list(&env);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["kind"], "timeout", "{listed:?}");
+    let mut config = env.config();
+    config.worker.relay = false;
+    let worker = env.start(&config).await;
+    let done = json_out(&env.lapse(&["parked", "replay", "--all", "--json"]));
+    assert_eq!(done["messages"][0]["outcome"], "replayed", "{done}");
+    eventually(Duration::from_secs(30), "3 orders closed", || async {
+        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+        (n == 3).then_some(())
+    })
+    .await;
+    assert_never_early(&db).await;
+    assert_eq!(closed_events(&db).await, 3);
+    worker.stop().await;
+    drop(db);
+    env.cleanup().await;
+}
