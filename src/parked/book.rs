@@ -101,7 +101,8 @@ const COLUMNS: &str = "seq, id, kind, cause, order_id, shard, deadline, deadline
 fn row(r: &tokio_postgres::Row) -> Result<Row, DbError> {
     let body: Vec<u8> = column(r, "body")?;
     let mut kind: Kind = from_word(column(r, "kind")?).unwrap_or(Kind::Unreadable);
-    // A pack a worker older than packs archived as unreadable is a timeout to this one.
+    // A body an older worker archived as unreadable (a pack, a deadline of a kind)
+    // that this one reads is a timeout.
     let (timeout, pack) = match kind {
         Kind::Timeout | Kind::Unreadable => super::entry::timeouts(&body),
         Kind::Release => (None, Vec::new()),

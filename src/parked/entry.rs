@@ -4,8 +4,9 @@
 //! The ID is derived, never stored, so it is the same for messages parked by any
 //! version of lapse, by the broker (dead-lettered over a delivery limit) or by the
 //! delay exchange's alternate route, and every copy of one message shares it:
-//! `timeout-<order>-v<version>` for a timeout, `release-<order>` for a stock-release
-//! event, `raw-<16 hex digits>` (a hash of the body) for a body lapse cannot read.
+//! `timeout-<order>-v<version>` for a timeout, `pack-<earliest entry's message id>-n<entries>-<8
+//! hex digits>` for a pack, `release-<order>` for a stock-release event,
+//! `raw-<16 hex digits>` (a hash of the body) for a body lapse cannot read.
 
 use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
 use lapin::BasicProperties;

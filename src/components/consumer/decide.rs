@@ -66,6 +66,27 @@ pub struct Decider {
     pub tier_tolerance: Duration,
     /// The deadline kinds this worker fires (`[kinds]`).
     pub kinds: Catalog,
+    /// The database's clock minus this worker's, in milliseconds, as last read: what
+    /// an entry's wait by the worker's clock is corrected by.
+    pub clock_offset: ClockOffset,
+}
+
+/// The database's clock minus the worker's, shared by clones of a [`Decider`].
+#[derive(Clone, Debug, Default)]
+pub struct ClockOffset(std::sync::Arc<std::sync::atomic::AtomicI64>);
+
+impl ClockOffset {
+    /// Notes the database's `now()` as just read.
+    pub fn observe(&self, db_now: DateTime<Utc>) {
+        let ms = (db_now - Utc::now()).num_milliseconds();
+        self.0.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The database's clock now, as this worker estimates it.
+    pub fn db_now(&self) -> DateTime<Utc> {
+        let ms = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        Utc::now() + chrono::TimeDelta::milliseconds(ms)
+    }
 }
 
 /// An order as the decision sees it. `expire_at` is an error (the reason) when the
@@ -234,6 +255,7 @@ impl Decider {
             .first()
             .ok_or_else(|| DbError::Unreadable("the batch read returned no row".into()))?;
         let db_now: DateTime<Utc> = db::column(first, "now")?;
+        self.clock_offset.observe(db_now);
         let orders: HashMap<i64, Result<OrderRow, String>> =
             rows.iter().filter_map(OrderRow::decode).collect();
         let candidates: Vec<Candidate> = messages

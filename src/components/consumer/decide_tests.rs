@@ -28,6 +28,7 @@ fn decider() -> Decider {
         lock_timeout: Duration::from_secs(5),
         kinds: Default::default(),
         tier_tolerance: Duration::from_millis(50),
+        clock_offset: Default::default(),
     }
 }
 

@@ -179,9 +179,19 @@ impl Consumer {
             let s = &mut states[i];
             self.count(s);
             let bodies: Vec<&[u8]> = s.again.iter().map(|a| a.body.as_slice()).collect();
-            delivery.data = pack::body(&bodies);
+            // What is left is the whole body (left over, or one entry): unchanged.
+            if !matches!(bodies.as_slice(), [one] if *one == delivery.data.as_slice()) {
+                delivery.data = pack::body(&bodies);
+            }
             let first = s.again.iter().filter_map(|a| a.after).min();
             if s.kept() {
+                // Entries left over for want of room do not cut the back-off short.
+                let first = s
+                    .again
+                    .iter()
+                    .filter(|a| !a.deferred)
+                    .filter_map(|a| a.after)
+                    .min();
                 kept.keep(delivery, first);
             } else {
                 // One hold of the delivery, as before packs: its entries are counted

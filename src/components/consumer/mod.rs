@@ -40,6 +40,7 @@ use crate::amqp::publishing::PublishingConnection;
 use crate::amqp::tier_check::TierCheck;
 use crate::config::Config;
 use crate::db::Pools;
+use crate::message::Route;
 use crate::names::Names;
 use crate::observe::stats::{Outcome, Stats};
 use crate::pack::{self, Entry};
@@ -134,6 +135,7 @@ impl Consumer {
                 lock_timeout: config.database.lock_timeout,
                 tier_tolerance: config.relay.tier_tolerance,
                 kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
+                clock_offset: Default::default(),
             },
             names,
             stats,
@@ -184,7 +186,7 @@ impl Consumer {
         // Holds count from the moment the clock was read, not from when this batch
         // finished: the time spent deciding must not add to the lateness.
         let read_at = tokio::time::Instant::now();
-        let (entries, waiting) = self.split(&batch, chrono::Utc::now());
+        let (entries, waiting) = self.split(&batch, self.decider.clock_offset.db_now());
         let messages: Vec<_> = entries
             .iter()
             .flatten()
@@ -246,40 +248,65 @@ impl Consumer {
         batch: &[Delivery],
         now: chrono::DateTime<chrono::Utc>,
     ) -> (Vec<Vec<Entry>>, Vec<Vec<Waiting>>) {
-        let smallest = self.decider.tiers.smallest().duration();
+        let d = &self.decider;
         let mut budget = self.chunk_size();
-        batch
-            .iter()
-            .map(|d| {
-                let mut decide = Vec::new();
-                let mut wait = Vec::new();
-                for entry in pack::unpack(&d.data) {
-                    let ahead = entry
-                        .message
-                        .as_ref()
-                        .ok()
-                        .and_then(|m| (m.expire_at - now).to_std().ok())
-                        .filter(|r| !r.is_zero() && *r < smallest);
-                    if let Some(after) = ahead {
-                        wait.push(Waiting {
-                            body: entry.body,
-                            after,
-                            deferred: false,
-                        });
-                    } else if budget == 0 {
-                        wait.push(Waiting {
-                            body: entry.body,
-                            after: std::time::Duration::ZERO,
-                            deferred: true,
-                        });
-                    } else {
-                        budget -= 1;
-                        decide.push(entry);
-                    }
+        // The budget goes to the deliveries held longest first (the broker numbers its
+        // deliveries in order): a fresh delivery never starves one left over.
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by_key(|i| batch[*i].delivery_tag);
+        let mut out: Vec<(Vec<Entry>, Vec<Waiting>)> =
+            (0..batch.len()).map(|_| Default::default()).collect();
+        for i in order {
+            let delivery = &batch[i];
+            let (decide, wait) = &mut out[i];
+            if budget == 0 {
+                // Left as it is, unread: the next batch reads it.
+                wait.push(Waiting {
+                    body: delivery.data.clone(),
+                    after: std::time::Duration::ZERO,
+                    deferred: true,
+                });
+                continue;
+            }
+            for entry in pack::unpack(&delivery.data) {
+                // Not due yet by the database's clock (as this worker estimates it),
+                // and what is left would be held anyway (no tier fits it).
+                let ahead = entry
+                    .message
+                    .as_ref()
+                    .ok()
+                    .and_then(|m| (m.expire_at - now).to_std().ok())
+                    .filter(|r| {
+                        !r.is_zero()
+                            && Route::planned(
+                                &d.names,
+                                &d.tiers,
+                                *r,
+                                std::time::Duration::ZERO,
+                                d.tier_tolerance,
+                            )
+                            .tier
+                            .is_none()
+                    });
+                if let Some(after) = ahead {
+                    wait.push(Waiting {
+                        body: entry.body,
+                        after,
+                        deferred: false,
+                    });
+                } else if budget == 0 {
+                    wait.push(Waiting {
+                        body: entry.body,
+                        after: std::time::Duration::ZERO,
+                        deferred: true,
+                    });
+                } else {
+                    budget -= 1;
+                    decide.push(entry);
                 }
-                (decide, wait)
-            })
-            .unzip()
+            }
+        }
+        out.into_iter().unzip()
     }
 
     /// Which wait tiers the batch's re-delays need are missing (one check for the

@@ -238,7 +238,7 @@ pub fn plan(
                 } => {
                     mine.publishes.push(out.publishes.len());
                     out.publishes.push(Publish {
-                        message: parked_entry(names, delivery, entries.len(), entry, kind, &reason),
+                        message: parked_entry(names, delivery, entry, kind, &reason),
                         members: vec![Member {
                             delivery: d,
                             body: entry.body.clone(),
@@ -298,17 +298,16 @@ impl Plan {
     }
 }
 
-/// The parked copy of one entry: the delivery's own copy when it carried only this
-/// entry (as lapse always parked), else the entry's body with its own properties.
+/// The parked copy of one entry: the delivery's own copy when it was just this entry
+/// (as lapse always parked), else the entry's body with its own properties.
 pub fn parked_entry(
     names: &Names,
     delivery: &Delivery,
-    entries: usize,
     entry: &Entry,
     cause: &str,
     reason: &str,
 ) -> Outgoing {
-    let base = if entries == 1 {
+    let base = if delivery.data == entry.body {
         delivery.properties.clone()
     } else {
         match &entry.message {
