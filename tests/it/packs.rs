@@ -70,6 +70,16 @@ async fn drain_parked(env: &TestEnv) -> Vec<(Vec<u8>, String)> {
     out
 }
 
+/// Waits until exactly `n` orders are closed (never more), up to `limit`.
+async fn wait_closed(db: &tokio_postgres::Client, n: i64, limit: Duration) {
+    eventually(limit, &format!("{n} orders closed"), || async {
+        let closed = count(db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+        assert!(closed <= n, "{closed} orders closed, more than {n}");
+        (closed == n).then_some(())
+    })
+    .await;
+}
+
 async fn closed_events(db: &tokio_postgres::Client) -> i64 {
     count(
         db,
@@ -110,11 +120,7 @@ async fn each_entry_of_a_pack_is_decided_alone_and_a_bad_one_is_parked_alone() {
     let mut config = env.config();
     config.worker.relay = false;
     let worker = env.start(&config).await;
-    eventually(Duration::from_secs(60), "20 orders closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 20).then_some(())
-    })
-    .await;
+    wait_closed(&db, 20, Duration::from_secs(60)).await;
     eventually(
         Duration::from_secs(20),
         "the missing order acknowledged",
@@ -175,11 +181,7 @@ async fn a_pack_of_ten_thousand_entries_closes_every_order_once() {
     let mut config = env.config();
     config.worker.relay = false;
     let worker = env.start(&config).await;
-    eventually(Duration::from_secs(120), "10,000 orders closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 10_000).then_some(())
-    })
-    .await;
+    wait_closed(&db, 10_000, Duration::from_secs(120)).await;
     assert_never_early(&db).await;
     assert_eq!(closed_events(&db).await, 10_000);
     worker.stop().await;
@@ -204,11 +206,7 @@ async fn a_worker_stopped_between_closing_half_a_pack_and_acknowledging_it_loses
     let mut config = env.config();
     config.worker.relay = false;
     let first = env.start(&config).await;
-    eventually(Duration::from_secs(20), "the due half closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 10).then_some(())
-    })
-    .await;
+    wait_closed(&db, 10, Duration::from_secs(20)).await;
     // The pack is held (one hold of the delivery) with the other half in it.
     eventually(Duration::from_secs(5), "the other half held", || async {
         (first.stats.get(Outcome::Held) >= 1).then_some(())
@@ -220,11 +218,7 @@ async fn a_worker_stopped_between_closing_half_a_pack_and_acknowledging_it_loses
     );
     first.stop().await;
     let second = env.start(&config).await;
-    eventually(Duration::from_secs(60), "the held half closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 20).then_some(())
-    })
-    .await;
+    wait_closed(&db, 20, Duration::from_secs(60)).await;
     assert_never_early(&db).await;
     assert_eq!(closed_events(&db).await, 20, "each order closed once");
     second.stop().await;
@@ -252,11 +246,7 @@ async fn a_pack_parked_whole_is_listed_and_replayed() {
     let worker = env.start(&config).await;
     let done = json_out(&env.lapse(&["parked", "replay", &id, "--json"]));
     assert_eq!(done["messages"][0]["outcome"], "replayed", "{done}");
-    eventually(Duration::from_secs(30), "5 orders closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 5).then_some(())
-    })
-    .await;
+    wait_closed(&db, 5, Duration::from_secs(30)).await;
     assert_never_early(&db).await;
     assert_eq!(closed_events(&db).await, 5);
     worker.stop().await;
@@ -296,11 +286,7 @@ async fn a_pack_booked_as_unreadable_by_an_older_worker_is_replayed() {
     let worker = env.start(&config).await;
     let done = json_out(&env.lapse(&["parked", "replay", "--all", "--json"]));
     assert_eq!(done["messages"][0]["outcome"], "replayed", "{done}");
-    eventually(Duration::from_secs(30), "3 orders closed", || async {
-        let n = count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        (n == 3).then_some(())
-    })
-    .await;
+    wait_closed(&db, 3, Duration::from_secs(30)).await;
     assert_never_early(&db).await;
     assert_eq!(closed_events(&db).await, 3);
     worker.stop().await;
