@@ -120,6 +120,14 @@ pub fn body(entries: &[&[u8]]) -> Vec<u8> {
     out
 }
 
+/// The body and properties of a message carrying `messages` (at least one).
+pub fn encode(messages: &[TimeoutMessage]) -> (Vec<u8>, BasicProperties) {
+    let bodies: Vec<Vec<u8>> = messages.iter().map(TimeoutMessage::encode).collect();
+    let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+    let carried: Vec<&TimeoutMessage> = messages.iter().collect();
+    (body(&refs), properties(&carried))
+}
+
 /// The properties of a message carrying `messages` (at least one): a single
 /// message's own, or a pack's, whose id names its first entry and its size.
 pub fn properties(messages: &[&TimeoutMessage]) -> BasicProperties {

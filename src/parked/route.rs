@@ -111,15 +111,13 @@ impl Router {
                         m
                     })
                     .collect();
-                let bodies: Vec<Vec<u8>> = messages.iter().map(TimeoutMessage::encode).collect();
-                let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
-                let carried: Vec<&TimeoutMessage> = messages.iter().collect();
+                let (body, properties) = crate::pack::encode(&messages);
                 Ok((
                     Target {
                         exchange: route.exchange,
                         routing_key: route.routing_key,
-                        body: crate::pack::body(&refs),
-                        properties: crate::pack::properties(&carried),
+                        body,
+                        properties,
                     },
                     route.tier,
                 ))

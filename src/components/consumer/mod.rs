@@ -229,7 +229,7 @@ impl Consumer {
     /// The most entries one batch decides (one transaction per shard): a batch's
     /// worth under a closes-per-second limit (so that the limit paces within a pack
     /// too), else at least a whole pack.
-    fn chunk_size(&self) -> usize {
+    fn budget(&self) -> usize {
         if self.limiter.is_limited() {
             self.batching.batch_size.max(1)
         } else {
@@ -249,7 +249,7 @@ impl Consumer {
         now: chrono::DateTime<chrono::Utc>,
     ) -> (Vec<Vec<Entry>>, Vec<Vec<Waiting>>) {
         let d = &self.decider;
-        let mut budget = self.chunk_size();
+        let mut budget = self.budget();
         // The budget goes to the deliveries held longest first (the broker numbers its
         // deliveries in order): a fresh delivery never starves one left over.
         let mut order: Vec<usize> = (0..batch.len()).collect();

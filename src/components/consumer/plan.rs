@@ -271,9 +271,7 @@ impl Plan {
         let mut members = members.into_iter();
         let mut hops = hops.into_iter();
         for chunk in messages.chunks(max) {
-            let bodies: Vec<Vec<u8>> = chunk.iter().map(TimeoutMessage::encode).collect();
-            let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
-            let carried: Vec<&TimeoutMessage> = chunk.iter().collect();
+            let (body, properties) = pack::encode(chunk);
             let mine: Vec<Member> = members.by_ref().take(chunk.len()).collect();
             let chunk_hops: Vec<Hop> = hops.by_ref().take(chunk.len()).flatten().collect();
             let index = self.publishes.len();
@@ -284,12 +282,7 @@ impl Plan {
                 }
             }
             self.publishes.push(Publish {
-                message: Outgoing::new(
-                    exchange.clone(),
-                    routing_key.clone(),
-                    pack::body(&refs),
-                    pack::properties(&carried),
-                ),
+                message: Outgoing::new(exchange.clone(), routing_key.clone(), body, properties),
                 members: mine,
                 park: None,
                 hops: chunk_hops,
