@@ -29,7 +29,6 @@ use std::time::Duration;
 
 use crate::db::Pool;
 use lapin::Connection;
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -50,6 +49,7 @@ use sources::{Later, Source};
 
 /// The channel the outbox trigger notifies.
 pub use notifications::OUTBOX_CHANNEL;
+use notifications::Wakes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -107,6 +107,9 @@ pub struct Relay {
     /// Packs: the most timeouts per message, and how far apart their deadlines may be.
     pub pack_max: usize,
     pub pack_window: Duration,
+    /// How long intents due more than 2 seconds later may wait in the outbox for
+    /// others of their route (`relay.gather`; 0: not at all).
+    pub gather: Duration,
 }
 
 impl Relay {
@@ -124,6 +127,7 @@ impl Relay {
             batch_size: config.relay.batch_size,
             pack_max: config.packs.max_entries,
             pack_window: config.packs.window,
+            gather: config.relay.gather,
             stats,
         }
     }
@@ -137,6 +141,17 @@ impl Relay {
         &self,
         conn: &Connection,
         publisher: &Publisher,
+    ) -> Result<RelayOutcome, RelayError> {
+        self.round(conn, publisher, Duration::ZERO).await
+    }
+
+    /// [`Relay::run_once`] after waiting `waited` on purpose (gathering): that wait
+    /// is not counted as the relay's lag when a first tier is chosen.
+    async fn round(
+        &self,
+        conn: &Connection,
+        publisher: &Publisher,
+        waited: Duration,
     ) -> Result<RelayOutcome, RelayError> {
         let mut client = self.pool.get().await?;
         let tx = crate::db::begin(&mut client, self.pool.limits()).await?;
@@ -171,8 +186,12 @@ impl Relay {
         }
         let outgoing: Vec<RowPublish> = rows
             .iter()
-            .map(|r| self.decode(r, Source::Outbox))
-            .chain(kind_rows.iter().map(|r| self.decode(r, Source::Kinds)))
+            .map(|r| self.decode(r, Source::Outbox, waited))
+            .chain(
+                kind_rows
+                    .iter()
+                    .map(|r| self.decode(r, Source::Kinds, waited)),
+            )
             .collect::<Result<_, DbError>>()?;
         let tiers: BTreeSet<Tier> = outgoing.iter().filter_map(|o| o.tier).collect();
         let missing = if tiers.is_empty() {
@@ -312,7 +331,7 @@ impl Relay {
         health: Health,
         token: CancellationToken,
     ) -> Result<(), Fatal> {
-        let wake = Arc::new(Notify::new());
+        let wake = Arc::new(Wakes::default());
         // The LISTEN connection and the backlog gauge belong to this instance: they
         // stop with `token`, and dropping the set (the supervisor abandoning this
         // instance at the drain limit) aborts them.
@@ -342,7 +361,7 @@ impl Relay {
     async fn session(
         &self,
         broker: &Endpoint,
-        wake: &Notify,
+        wake: &Wakes,
         poll: Duration,
         health: &Health,
         token: &CancellationToken,
@@ -358,6 +377,7 @@ impl Relay {
         drop(busy);
         health.up(self.component);
         let mut backoff = Backoff::new();
+        let mut waited = Duration::ZERO;
         let result = loop {
             if token.is_cancelled() {
                 break Ok(());
@@ -373,7 +393,8 @@ impl Relay {
                 continue;
             }
             let busy = health.busy(self.component);
-            let round = self.run_once(&conn, &publisher).await;
+            let round = self.round(&conn, &publisher, waited).await;
+            waited = Duration::ZERO;
             drop(busy);
             match round {
                 // Refused and returned rows were rescheduled: no reason to slow down
@@ -385,10 +406,10 @@ impl Relay {
                 }) => {
                     backoff.reset();
                     if sent + refused + returned < self.batch_size as usize {
-                        wait(wake, poll, token).await;
+                        waited = wait(wake, poll, self.gather, token).await;
                     }
                 }
-                Ok(RelayOutcome::Idle) => wait(wake, poll, token).await,
+                Ok(RelayOutcome::Idle) => waited = wait(wake, poll, self.gather, token).await,
                 Err(RelayError::Broker(e)) => break Err(e),
                 Err(RelayError::Db(e)) => {
                     tracing::warn!(component = self.component, error = %e, "relay: database error; retrying");
@@ -401,10 +422,28 @@ impl Relay {
     }
 }
 
-async fn wait(wake: &Notify, poll: Duration, token: &CancellationToken) {
+/// Until the next round is due: at once on an urgent wake-up, within `gather` of a
+/// wake-up for intents due later (more of their route meet in the outbox meanwhile,
+/// and every row due by then leaves in that round), at the poll interval otherwise.
+/// Returns how long it waited on purpose (gathering).
+async fn wait(
+    wake: &Wakes,
+    poll: Duration,
+    gather: Duration,
+    token: &CancellationToken,
+) -> Duration {
     tokio::select! {
-        _ = wake.notified() => {}
-        _ = tokio::time::sleep(poll) => {}
-        _ = token.cancelled() => {}
+        _ = wake.now.notified() => Duration::ZERO,
+        _ = wake.gather.notified() => {
+            let since = tokio::time::Instant::now();
+            tokio::select! {
+                _ = wake.now.notified() => {}
+                _ = tokio::time::sleep(gather) => {}
+                _ = token.cancelled() => {}
+            }
+            since.elapsed()
+        }
+        _ = tokio::time::sleep(poll) => Duration::ZERO,
+        _ = token.cancelled() => Duration::ZERO,
     }
 }

@@ -54,6 +54,8 @@ pub struct Sweeper {
     pub limiter: RateLimiter,
     /// Bound on waiting for a lock other than a row lock in the close statement.
     pub lock_timeout: Duration,
+    /// Where the stock release of what it closes is applied.
+    pub stock_release: close::StockRelease,
 }
 
 /// What one sweep did.
@@ -267,7 +269,8 @@ impl Sweeper {
                 report.lost_lead = true;
                 break;
             }
-            let done = close::close_due(&tx, &candidates, CloseReason::Sweeper).await?;
+            let done = close::close_due(&tx, &candidates, CloseReason::Sweeper, self.stock_release)
+                .await?;
             tx.commit().await?;
             let closed = done.closed;
             // Pacing is deliberate idleness, not a stall; shutdown cuts it short.

@@ -157,6 +157,11 @@ pub struct WorkerConfig {
     pub relay: bool,
     /// Run the stock releaser.
     pub releaser: bool,
+    /// Where the example shop's stock release is applied: `in_close` (in the close's
+    /// transaction; an order whose stock row is locked falls back to the event) or
+    /// `event` (a `stock.release` message to the stock releaser).
+    #[serde(default)]
+    pub stock_release: crate::close::StockRelease,
     /// Run the backstop sweeper.
     pub sweeper: bool,
     /// Apply database migrations when the worker starts.
@@ -228,6 +233,11 @@ pub struct RelayConfig {
     /// Polling fallback when no notification arrives.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
+    /// How long intents due more than 2 seconds later may wait in the outbox so that
+    /// more of one route leave as one pack (at most 1s; 0 publishes every intent at
+    /// once). An event, a release or an intent due sooner never waits.
+    #[serde(default = "default_gather", with = "humantime_serde")]
+    pub gather: Duration,
     /// Where the relay LISTENs for new outbox rows, when not through the database's
     /// own URL: a connection pooler in transaction mode loses notifications, so point
     /// this at the server directly. One URL, or with `database.shards` a list of one
@@ -235,6 +245,16 @@ pub struct RelayConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen_url: Option<ListenUrls>,
 }
+
+/// `relay.gather` unless set: chosen by measurement (docs/benchmarks.md, "Packs:
+/// before and after").
+fn default_gather() -> Duration {
+    Duration::from_millis(100)
+}
+
+/// The longest `relay.gather`: an intent that waits is due more than 2 seconds later
+/// (migration V15), so it is still a second from its deadline when it is planned.
+pub const MAX_GATHER: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -315,6 +335,7 @@ impl Default for Config {
                 batch_size: 100,
                 batch_window: Duration::from_millis(2),
                 release_batch_window: Duration::from_millis(50),
+                stock_release: Default::default(),
                 tier_tolerance: None,
                 max_attempts: 8,
                 retry_backoff: Duration::from_millis(500),
@@ -329,6 +350,7 @@ impl Default for Config {
                 tier_tolerance: Duration::from_millis(50),
                 batch_size: 500,
                 poll_interval: Duration::from_millis(500),
+                gather: default_gather(),
                 listen_url: None,
             },
             sweeper: SweeperConfig {
@@ -378,6 +400,12 @@ impl Config {
         retention::validate(&self.retention)?;
         kinds::validate(&self.kinds)?;
         packs::validate(&self.packs)?;
+        if self.relay.gather > MAX_GATHER {
+            return Err(ConfigError::new(
+                "relay.gather",
+                "must be at most 1s (only intents due more than 2s later wait for it)",
+            ));
+        }
         kinds::validate_shop_search_path(&self.database.shop_search_path)?;
         if self.topology.quorum_group_size == Some(0) {
             return Err(ConfigError::new(

@@ -296,6 +296,7 @@ impl Starter<'_> {
             retention: config.retention.clone(),
             limiter: limiter.clone(),
             lock_timeout: database.lock_timeout,
+            stock_release: config.worker.stock_release,
         };
         let name = leak(config.database.per_shard("sweeper", shard.index));
         let label = config.database.sharded().then(|| shard.index.to_string());

@@ -43,6 +43,8 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
     config.broker.url = url;
     config.broker.management_url = None;
     config.broker.confirm_timeout = Duration::from_secs(2);
+    // The releases' events are the proof that publishing was blocked.
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let token = CancellationToken::new();
     let service = Service::start(&config, Stats::default(), token.clone())
         .await

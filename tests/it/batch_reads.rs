@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use lapse::amqp::batch::Batching;
-use lapse::close::{Candidate, CloseReason, close_due};
+use lapse::close::{Candidate, CloseReason, StockRelease, close_due};
 use lapse::components::releaser::Releaser;
 use lapse::db::Pools;
 
@@ -157,7 +157,9 @@ async fn a_close_batch_reads_its_own_orders_not_the_backlog() {
             .collect();
         let read = reads_of(&db, async {
             let tx = closer.transaction().await.unwrap();
-            let report = close_due(&tx, &batch, CloseReason::Timeout).await.unwrap();
+            let report = close_due(&tx, &batch, CloseReason::Timeout, StockRelease::Event)
+                .await
+                .unwrap();
             tx.commit().await.unwrap();
             assert_eq!(report.closed.len() as i64, size);
             assert!(report.locked.is_empty());

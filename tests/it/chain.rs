@@ -359,6 +359,7 @@ async fn one_sweeper_leads_at_a_time_and_a_stuck_outbox_is_reported() {
         config,
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
+        stock_release: env.config().worker.stock_release,
     };
     // Another sweeper holds a live lease: this one does nothing.
     let other = env.db().await;

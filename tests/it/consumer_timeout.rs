@@ -74,6 +74,7 @@ async fn a_row_locked_past_the_brokers_consumer_timeout_costs_no_channel_and_no_
     // The close: the row is locked across the deadline, for three consumer timeouts.
     let mut closing = config.clone();
     closing.worker.releaser = false;
+    closing.worker.stock_release = lapse::close::StockRelease::Event;
     let id = create_orders(&mut db, &[Duration::from_millis(1_500)], &one_line()).await[0].0;
     lock_row(&holder, id).await;
     let worker = Running::start(&closing).await;

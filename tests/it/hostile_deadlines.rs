@@ -404,6 +404,7 @@ async fn close_now(db: &mut tokio_postgres::Client, id: orders::OrderId) -> usiz
             hops: 0,
         }],
         lapse::close::CloseReason::Sweeper,
+        lapse::close::StockRelease::default(),
     )
     .await
     .unwrap();

@@ -119,6 +119,7 @@ async fn the_sweeper_skips_rows_it_cannot_handle_and_keeps_sweeping() {
         config,
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
+        stock_release: env.config().worker.stock_release,
     };
     for _ in 0..2 {
         let report = sweeper.run_once().await.unwrap();

@@ -41,6 +41,7 @@ fn sweeper(env: &TestEnv, batch_size: i64) -> Sweeper {
         config,
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
+        stock_release: env.config().worker.stock_release,
     }
 }
 
@@ -152,6 +153,7 @@ async fn the_releaser_releases_a_legacy_closed_order_and_parks_nothing() {
     let ids = create_orders(&mut db, &[Duration::from_millis(300); 4], &line).await;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     closed_with_releases_queued(&env, &db, 4, 4).await;
     closer.stop().await;

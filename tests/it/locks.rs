@@ -157,6 +157,7 @@ async fn the_sweeper_skips_a_locked_row_and_closes_the_rest() {
         config: config.sweeper.clone(),
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: config.database.lock_timeout,
+        stock_release: env.config().worker.stock_release,
     };
     let holder = env.db().await;
     hold_row_lock(&holder, ids[10].0).await;
@@ -318,6 +319,7 @@ async fn a_held_stock_release_among_acknowledged_ones_survives_a_releaser_restar
     let ids = create_orders(&mut db, &[Duration::from_millis(300); 41], &one_line()).await;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     crate::release_repair::closed_with_releases_queued(&env, &db, 41, 41).await;
     closer.stop().await;
@@ -353,6 +355,7 @@ async fn one_locked_order_does_not_stall_the_stock_releases_after_it() {
     let first = create_orders(&mut db, &[Duration::from_millis(300)], &one_line()).await[0].0;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     crate::release_repair::closed_with_releases_queued(&env, &db, 1, 1).await;
     closer.stop().await;

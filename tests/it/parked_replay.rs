@@ -162,6 +162,7 @@ async fn a_replayed_release_releases_stock_exactly_once() {
         .collect();
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     let release_queue = env.names().stock_release_queue();
     eventually(

@@ -30,7 +30,9 @@ async fn reapply(env: &TestEnv) {
 #[tokio::test]
 async fn releases_published_while_their_queue_is_deleted_wait_in_the_outbox_until_it_returns() {
     let env = TestEnv::with_database(&["250ms", "1s"]).await;
-    let worker = env.start(&env.config()).await;
+    let mut config = env.config();
+    config.worker.stock_release = lapse::close::StockRelease::Event;
+    let worker = env.start(&config).await;
     let mut db = env.db().await;
     create_orders(&mut db, &[Duration::from_millis(300); 10], &line()).await;
     wait_released(&db, 10).await;

@@ -21,6 +21,7 @@ fn sweeper(env: &TestEnv, per_second: u32) -> Sweeper {
         config: env.config().sweeper,
         limiter: lapse::runtime::rate::RateLimiter::new(per_second),
         lock_timeout: Duration::from_secs(5),
+        stock_release: env.config().worker.stock_release,
     }
 }
 
@@ -104,6 +105,7 @@ async fn a_releaser_backlog_is_re_emitted_with_a_growing_gap_per_order() {
     // No releaser: the releases wait in their queue, as during a releaser outage.
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     closed_with_releases_queued(&env, &db, 5, 5).await;
     let mut sweeper = sweeper(&env, 0);

@@ -68,6 +68,7 @@ async fn a_database_outage_during_stock_releases_parks_nothing_and_releases_each
     let mut config = env.config();
     config.database.url = Secret::new(url.clone());
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
 
     let mut db = connect(&url).await;
     create_orders(&mut db, &[Duration::from_millis(300); 200], &line("r")).await;
@@ -119,6 +120,7 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
     let env = TestEnv::with_database(&["250ms", "1s"]).await;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     let mut db = env.db().await;
     create_orders(&mut db, &[Duration::from_millis(300); 20], &line("w")).await;
@@ -145,6 +147,7 @@ async fn the_reconciler_re_emits_a_lost_stock_release_exactly_once() {
         config: sweeper_config,
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
+        stock_release: config.worker.stock_release,
     };
     let started = std::time::Instant::now();
     let mut repaired = 0;
@@ -245,6 +248,7 @@ async fn an_application_holding_a_closed_orders_row_does_not_block_checkout_of_i
     let ids = create_orders(&mut db, &[Duration::from_millis(300); 2], &line("held")).await;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     // A release waiting on a row lock would hold the SKU's stock lock this long.
     config.database.statement_timeout = Duration::from_secs(120);
     let closer = env.start(&config).await;
@@ -307,6 +311,7 @@ async fn releases_failing_alike_against_a_mismatched_schema_are_held_not_parked(
     create_orders(&mut db, &[Duration::from_millis(300); 10], &line("schema")).await;
     let mut config = env.config();
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let closer = env.start(&config).await;
     closed_with_releases_queued(&env, &db, 10, 10).await;
     closer.stop().await;

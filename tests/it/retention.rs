@@ -31,6 +31,7 @@ fn sweeper(env: &TestEnv, retention: RetentionConfig) -> Sweeper {
         config: config.sweeper.clone(),
         limiter: lapse::runtime::rate::RateLimiter::new(0),
         lock_timeout: Duration::from_secs(5),
+        stock_release: env.config().worker.stock_release,
     }
 }
 

@@ -416,6 +416,7 @@ async fn held_release_events_of_two_shards_are_each_released_in_their_own_shard(
     let mut config = env.config();
     config.database.shards = Some(vec![Secret::new(url0.clone()), Secret::new(url1.clone())]);
     config.worker.releaser = false;
+    config.worker.stock_release = lapse::close::StockRelease::Event;
     let lines = [Line {
         sku: "a".into(),
         qty: 1,

@@ -69,6 +69,8 @@ pub struct Decider {
     /// The database's clock minus this worker's, in milliseconds, as last read: what
     /// an entry's wait by the worker's clock is corrected by.
     pub clock_offset: ClockOffset,
+    /// Where the stock release of what this worker closes is applied.
+    pub stock_release: close::StockRelease,
 }
 
 /// The database's clock minus the worker's, shared by clones of a [`Decider`].
@@ -271,7 +273,8 @@ impl Decider {
                 hops: i32::try_from(m.hops).unwrap_or(i32::MAX),
             })
             .collect();
-        let report = close::close_due(&tx, &candidates, CloseReason::Timeout).await?;
+        let report =
+            close::close_due(&tx, &candidates, CloseReason::Timeout, self.stock_release).await?;
         let (deadlines, verdicts) = self.fire_due(&tx, &deadlines, db_now).await?;
         tx.commit().await?;
         Ok(Snapshot {

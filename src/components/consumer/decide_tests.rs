@@ -29,6 +29,7 @@ fn decider() -> Decider {
         kinds: Default::default(),
         tier_tolerance: Duration::from_millis(50),
         clock_offset: Default::default(),
+        stock_release: Default::default(),
     }
 }
 

@@ -136,6 +136,7 @@ impl Consumer {
                 tier_tolerance: config.relay.tier_tolerance,
                 kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
                 clock_offset: Default::default(),
+                stock_release: w.stock_release,
             },
             names,
             stats,

@@ -25,8 +25,22 @@ use crate::runtime::backoff::Backoff;
 /// The channel the outbox trigger notifies on.
 pub const OUTBOX_CHANNEL: &str = "lapse_outbox";
 
-/// The payload of a probe (the trigger's notifications carry none).
+/// The payload of a probe (the trigger's notifications carry none or [`GATHER_PAYLOAD`]).
 const PROBE_PAYLOAD: &str = "lapse-probe";
+
+/// The trigger's payload when a statement wrote only intents due more than 2 seconds
+/// later (migration V15): they may wait `relay.gather` in the outbox for others of
+/// their route. Any other payload wakes the relay at once.
+pub const GATHER_PAYLOAD: &str = "gather";
+
+/// What the listener wakes the relay with: `now` (an event, a release, an intent due
+/// soon: run a round at once) or `gather` (only intents due later: run one within
+/// `relay.gather`).
+#[derive(Debug, Default)]
+pub struct Wakes {
+    pub now: Notify,
+    pub gather: Notify,
+}
 
 /// How long the listener may hear nothing before it probes.
 pub const PROBE_EVERY: Duration = Duration::from_secs(30);
@@ -53,7 +67,7 @@ pub async fn listen(
     listen_url: Secret,
     pool: Pool,
     shard: Option<String>,
-    wake: Arc<Notify>,
+    wake: Arc<Wakes>,
     token: CancellationToken,
 ) {
     let gauge = match &shard {
@@ -91,7 +105,7 @@ pub async fn listen(
                     listening = true;
                     if done.is_err() { break; }
                     backoff.reset();
-                    wake.notify_one();
+                    wake.now.notify_one();
                     // Probed at once: a pooler that loses notifications is named
                     // at start, not after the first quiet period.
                     heard = Instant::now().checked_sub(PROBE_EVERY).unwrap_or_else(Instant::now);
@@ -105,8 +119,10 @@ pub async fn listen(
                             tracing::info!("relay: notifications on the outbox channel arrive again");
                         }
                         gauge.set(1.0);
-                        if n.payload() != PROBE_PAYLOAD {
-                            wake.notify_one();
+                        match n.payload() {
+                            PROBE_PAYLOAD => {}
+                            GATHER_PAYLOAD => wake.gather.notify_one(),
+                            _ => wake.now.notify_one(),
                         }
                     }
                     Some(Ok(_)) => {}

@@ -63,17 +63,22 @@ impl Relay {
     /// a publish. A row whose values cannot be decoded, or whose payload is not a
     /// timeout intent, is published to the parked queue with the reason (and deleted
     /// only after that publish is confirmed), never dropped and never a panic.
+    ///
+    /// `waited` is how long the round waited on purpose before it began (gathering,
+    /// `relay.gather`): not the relay's lag, so no slack for it (a deadline equal to a
+    /// tier would otherwise arrive that much later).
     pub(super) fn decode(
         &self,
         r: &tokio_postgres::Row,
         source: super::Source,
+        waited: Duration,
     ) -> Result<RowPublish, DbError> {
-        let mut publish = self.decode_row(r)?;
+        let mut publish = self.decode_row(r, waited)?;
         publish.source = source;
         Ok(publish)
     }
 
-    fn decode_row(&self, r: &tokio_postgres::Row) -> Result<RowPublish, DbError> {
+    fn decode_row(&self, r: &tokio_postgres::Row, waited: Duration) -> Result<RowPublish, DbError> {
         let outbox_id: i64 = column(r, "id")?;
         let attempts = column::<i32>(r, "attempts")
             .ok()
@@ -98,7 +103,8 @@ impl Relay {
         let lag = column::<DateTime<Utc>>(r, "created_at")
             .ok()
             .and_then(|written| (db_now - written).to_std().ok())
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .saturating_sub(waited);
         let row = OutboxRow {
             outbox_id,
             kind,

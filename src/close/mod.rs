@@ -1,6 +1,9 @@
 //! The one close path, shared by the worker and the sweeper: a guarded UPDATE that
 //! closes only what is still UNPAID, of the expected deadline version, and due by the
-//! database clock — with its stock-release outbox rows in the same statement.
+//! database clock — and the example shop's stock release in the same transaction:
+//! applied by the next statement (`worker.stock_release = "in_close"`, see
+//! [`release`]) or as stock-release outbox rows written by the close statement itself
+//! (`"event"`, for the stock releaser).
 //!
 //! Invariants: never early (`expire_at <= now()` in the WHERE); at most once (the
 //! status guard); only a row this statement changed gets release rows; a row locked
@@ -10,6 +13,10 @@ use chrono::{DateTime, Utc};
 use tokio_postgres::Transaction;
 
 use crate::db::{DbError, column};
+
+mod release;
+
+pub use release::{Released, StockRelease};
 
 /// Who closed an order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,13 +67,18 @@ impl Closed {
 /// reconciler writes the same row again for a release lost after its close.
 macro_rules! release_outbox_insert {
     ($source:literal) => {
+        $crate::close::release_outbox_insert!($source, "")
+    };
+    ($source:literal, $filter:literal) => {
         concat!(
             "INSERT INTO outbox (kind, order_id, payload)
     SELECT 'stock.release', c.id, jsonb_build_object('order_id', c.id, 'lines',
            jsonb_agg(jsonb_build_object('sku', l.sku, 'qty', l.qty)))
       FROM ",
             $source,
-            " c JOIN order_lines l ON l.order_id = c.id
+            " c JOIN order_lines l ON l.order_id = c.id ",
+            $filter,
+            "
      GROUP BY c.id"
         )
     };
@@ -121,7 +133,7 @@ closed AS (
 ),
 release AS (
     ",
-    release_outbox_insert!("closed"),
+    release_outbox_insert!("closed", "WHERE $5"),
     "
 ),
 events AS (
@@ -143,6 +155,8 @@ pub struct CloseReport {
     /// Due orders it left alone because another transaction held their row lock;
     /// the caller retries them shortly.
     pub locked: Vec<i64>,
+    /// What the stock release in the same transaction did (`in_close` only).
+    pub released: Released,
 }
 
 /// Closes every candidate that is still UNPAID, of the same version and due, in
@@ -158,6 +172,7 @@ pub async fn close_due(
     tx: &Transaction<'_>,
     candidates: &[Candidate],
     reason: CloseReason,
+    release: StockRelease,
 ) -> Result<CloseReport, DbError> {
     if candidates.is_empty() {
         return Ok(CloseReport::default());
@@ -173,6 +188,10 @@ pub async fn close_due(
                 (&versions, tokio_postgres::types::Type::INT4_ARRAY),
                 (&hops, tokio_postgres::types::Type::INT4_ARRAY),
                 (&reason.as_str(), tokio_postgres::types::Type::TEXT),
+                (
+                    &(release == StockRelease::Event),
+                    tokio_postgres::types::Type::BOOL,
+                ),
             ],
         )
         .await?;
@@ -190,6 +209,10 @@ pub async fn close_due(
             }),
             None => report.locked.push(order_id),
         }
+    }
+    if release == StockRelease::InClose {
+        let ids: Vec<i64> = report.closed.iter().map(|c| c.order_id).collect();
+        report.released = self::release::in_close(tx, &ids).await?;
     }
     Ok(report)
 }

@@ -1,0 +1,146 @@
+//! The example shop's stock release applied in the close's own transaction
+//! (`worker.stock_release = "in_close"`, the default): one more statement after the
+//! close instead of an outbox row, a broker message, a delivery and the releaser's
+//! transaction per batch (docs/pipeline.md, "The stock release").
+//!
+//! Locks: the close holds the order rows; this statement then locks their stock rows
+//! in SKU order with `SKIP LOCKED`, so it never waits for a lock: no deadlock with
+//! checkouts, payments or the releaser, whatever order they take locks in, and a
+//! checkout holding a SKU's row (inside a slow payment call) never stalls a close. An
+//! order one of whose SKUs another transaction holds is not released here: it gets the
+//! stock-release outbox row the event path writes, and the releaser applies it later,
+//! as it does every release in `event` mode.
+//!
+//! Exactly once, as in the releaser: the ledger's key (order, sku, 'release') makes a
+//! repeat a no-op and `released_at` is stamped in the same statement; the reconciler
+//! still finds a CLOSED order left unstamped.
+
+use tokio_postgres::Transaction;
+
+use crate::db::{DbError, column};
+
+/// Where the example shop's stock release is applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StockRelease {
+    /// In the close's transaction, one statement per batch (an order whose stock row
+    /// is locked falls back to the event).
+    #[default]
+    InClose,
+    /// As a `stock.release` event through the broker to the stock releaser, which
+    /// applies it in a transaction of its own.
+    Event,
+}
+
+/// What the release of one batch of closes did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// (order, sku) release rows applied.
+    pub applied: i64,
+    /// Closed orders whose release went to the outbox instead (a stock row locked).
+    pub deferred: i64,
+}
+
+// `lines` and `held` are MATERIALIZED so each runs once: the stock rows are locked
+// once, in SKU order, before anything is written. An order is deferred when one of its
+// SKUs has a stock row this statement could not lock; a SKU without a stock row is
+// released as the releaser releases it (a ledger row, nothing to restock).
+const RELEASE_IN_CLOSE_SQL: &str = concat!(
+    "
+WITH lines AS MATERIALIZED (
+    SELECT l.order_id, l.sku, l.qty
+      FROM unnest($1::bigint[]) AS c(id) JOIN order_lines l ON l.order_id = c.id
+),
+held AS MATERIALIZED (
+    SELECT s.sku FROM stock s WHERE s.sku IN (SELECT sku FROM lines)
+     ORDER BY s.sku FOR UPDATE SKIP LOCKED
+),
+deferred AS MATERIALIZED (
+    SELECT DISTINCT l.order_id AS id FROM lines l JOIN stock s ON s.sku = l.sku
+     WHERE l.sku NOT IN (SELECT sku FROM held)
+),
+in_place AS (
+    SELECT c.id FROM unnest($1::bigint[]) AS c(id) WHERE c.id NOT IN (SELECT id FROM deferred)
+),
+released AS (
+    INSERT INTO stock_ledger (order_id, sku, kind, qty)
+    SELECT l.order_id, l.sku, 'release', l.qty FROM lines l
+     WHERE l.order_id IN (SELECT id FROM in_place)
+    ON CONFLICT DO NOTHING
+    RETURNING sku, qty
+),
+restocked AS (
+    UPDATE stock s
+       SET available = s.available + r.qty, reserved = s.reserved - r.qty
+      FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
+     WHERE s.sku = r.sku
+    RETURNING 1
+),
+stamped AS (
+    UPDATE orders o SET released_at = clock_timestamp()
+      FROM in_place i WHERE o.id = i.id AND o.status = 'CLOSED'
+    RETURNING 1
+),
+outboxed AS (
+    ",
+    super::release_outbox_insert!("deferred"),
+    "
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked,
+       (SELECT count(*) FROM stamped) AS stamped, (SELECT count(*) FROM deferred) AS deferred,
+       (SELECT count(*) FROM outboxed) AS outboxed"
+);
+
+/// The stock-release outbox rows of every order in `$1` (the event path).
+const DEFER_ALL_SQL: &str = concat!(
+    "WITH deferred AS (SELECT unnest($1::bigint[]) AS id)
+",
+    super::release_outbox_insert!("deferred")
+);
+
+/// Releases the stock of `closed` (orders `tx` just closed and still holds) in `tx`,
+/// or defers an order to the event path when one of its stock rows is locked.
+///
+/// In a savepoint: a release the data refuses (a stock row an operator changed by
+/// hand so that `reserved` would go negative, a constraint or trigger of the shop's)
+/// must not undo the closes. The whole batch's releases then go to the event path,
+/// where the stock releaser parks the one that fails and releases the others.
+pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, DbError> {
+    if closed.is_empty() {
+        return Ok(Released::default());
+    }
+    tx.batch_execute("SAVEPOINT lapse_release").await?;
+    let attempt = tx
+        .query_typed_one(
+            RELEASE_IN_CLOSE_SQL,
+            &[(&closed, tokio_postgres::types::Type::INT8_ARRAY)],
+        )
+        .await;
+    match attempt {
+        Ok(row) => {
+            tx.batch_execute("RELEASE SAVEPOINT lapse_release").await?;
+            Ok(Released {
+                applied: column(&row, "applied")?,
+                deferred: column(&row, "deferred")?,
+            })
+        }
+        Err(e) => {
+            // Only what the database refused; a lost connection fails the rollback.
+            tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_release")
+                .await?;
+            tracing::warn!(error = %e, orders = closed.len(),
+                "close: the stock release in the close's transaction failed; the batch's releases go to the stock releaser");
+            let deferred = tx
+                .execute_typed(
+                    DEFER_ALL_SQL,
+                    &[(&closed, tokio_postgres::types::Type::INT8_ARRAY)],
+                )
+                .await?;
+            Ok(Released {
+                applied: 0,
+                deferred: i64::try_from(deferred).unwrap_or(i64::MAX),
+            })
+        }
+    }
+}

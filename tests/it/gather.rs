@@ -1,0 +1,183 @@
+//! Gathering (docs/pipeline.md, "Gathering"): intents due more than 2 seconds later
+//! wait up to `relay.gather` in the outbox so that more of one route leave as one
+//! pack; anything due sooner, and every event, wakes the relay at once.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapse::orders::{self, Deadline};
+use tokio::sync::mpsc;
+
+use crate::helpers::{
+    TestEnv, assert_never_early, count, create_orders, eventually, on_lapse_path,
+};
+
+/// A LISTEN connection on the outbox channel: the payloads it hears.
+async fn listen(env: &TestEnv) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<String>) {
+    let (client, mut connection) =
+        tokio_postgres::connect(&on_lapse_path(&env.database_url()), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = m {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client
+        .batch_execute(&format!(
+            "LISTEN {}",
+            lapse::components::relay::OUTBOX_CHANNEL
+        ))
+        .await
+        .unwrap();
+    (client, rx)
+}
+
+async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("a notification")
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_outbox_says_which_writes_may_wait() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    let (_listener, mut heard) = listen(&env).await;
+    let far = create_orders(&mut db, &[Duration::from_secs(10)], &[]).await;
+    assert_eq!(next(&mut heard).await, "gather", "an intent due in 10 s");
+    create_orders(&mut db, &[Duration::from_millis(500)], &[]).await;
+    assert_eq!(next(&mut heard).await, "", "an intent due in 500 ms");
+    // One statement writing a far and a near intent: the near one decides.
+    db.batch_execute(
+        "INSERT INTO outbox (kind, order_id, payload)
+         SELECT 'timeout', 1, jsonb_build_object('expire_at',
+                to_char((clock_timestamp() + s * interval '1 second') AT TIME ZONE 'UTC',
+                        'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'))
+           FROM unnest(ARRAY[10, 1]) AS s",
+    )
+    .await
+    .unwrap();
+    assert_eq!(next(&mut heard).await, "");
+    // Extending to a far deadline writes a far intent.
+    orders::extend(&db, far[0], Deadline::In(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    assert_eq!(next(&mut heard).await, "gather");
+    // Anything that is not an intent, and an intent whose deadline cannot be read.
+    for payload in [
+        "('stock.release', 1, '{}')",
+        "('timeout', 1, '{\"expire_at\": 7}')",
+        "('timeout', 1, '{\"expire_at\": \"9999-01-01\"}')",
+    ] {
+        db.batch_execute(&format!(
+            "INSERT INTO outbox (kind, order_id, payload) VALUES {payload}"
+        ))
+        .await
+        .unwrap();
+        assert_eq!(next(&mut heard).await, "", "{payload}");
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_deadline_due_soon_never_waits_for_gathering() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    let mut config = env.config();
+    config.relay.gather = Duration::from_secs(1);
+    config.relay.poll_interval = Duration::from_secs(30);
+    let worker = env.start(&config).await;
+    // A far intent first, so that a gathering round is pending when the near one
+    // arrives: the near one must not wait for it.
+    create_orders(&mut db, &[Duration::from_secs(20)], &[]).await;
+    let near = create_orders(&mut db, &[Duration::from_millis(200)], &[]).await;
+    eventually(Duration::from_secs(20), "the near order closed", || async {
+        let closed = count(
+            &db,
+            &format!(
+                "SELECT count(*) FROM orders WHERE id = {} AND status = 'CLOSED'",
+                near[0].0
+            ),
+        )
+        .await;
+        (closed == 1).then_some(())
+    })
+    .await;
+    // Waiting for the gathering round would make it 800 ms late.
+    let late_ms = count(
+        &db,
+        &format!(
+            "SELECT (extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders WHERE id = {}",
+            near[0].0
+        ),
+    )
+    .await;
+    assert!(late_ms < 500, "closed {late_ms} ms late");
+    worker.stop().await;
+    assert_never_early(&db).await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn far_intents_written_apart_leave_as_one_pack_and_close_on_time() {
+    let env = TestEnv::with_database(&["5s"]).await;
+    let mut db = env.db().await;
+    let mut config = env.config();
+    config.relay.gather = Duration::from_secs(1);
+    config.relay.poll_interval = Duration::from_secs(30);
+    // Packs as wide as the writes are apart: what is counted is the gathering.
+    config.packs.window = Duration::from_secs(5);
+    let worker = env.start(&config).await;
+    // The relay listening (its first round, at start, has passed).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Ten orders, each in its own transaction, 40 ms apart, all due 7 s after creation.
+    for _ in 0..10 {
+        create_orders(&mut db, &[Duration::from_secs(7)], &[]).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    let wait_queue = env
+        .names()
+        .wait_queue(lapse::tier::Tier::parse("5s").unwrap());
+    eventually(Duration::from_secs(4), "the intents published", || async {
+        (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+    })
+    .await;
+    let channel = env.conn.create_channel().await.unwrap();
+    let waiting = channel
+        .queue_declare(
+            wait_queue.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    // One gathering round takes them all (one more if a round ran between writes).
+    assert!(
+        (1..=2).contains(&waiting),
+        "{waiting} messages for 10 intents in the wait queue"
+    );
+    eventually(Duration::from_secs(30), "all ten closed", || async {
+        (count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await == 10)
+            .then_some(())
+    })
+    .await;
+    worker.stop().await;
+    assert_never_early(&db).await;
+    let late = count(
+        &db,
+        "SELECT count(*) FROM orders WHERE closed_at > expire_at + interval '3 seconds'",
+    )
+    .await;
+    assert_eq!(late, 0, "gathering made a deadline late");
+    env.cleanup().await;
+}
