@@ -44,11 +44,15 @@ impl Steady {
     /// Runs the generator on `clients` to the end; returns the orders created and
     /// when the last of them was (from the start: the pacing's trailing sleeps of
     /// connections with nothing left to send do not count).
+    ///
+    /// Also returns the CPU seconds the generator's own database sessions spent (their
+    /// server processes, read from /proc before they end), so that a report can tell
+    /// the application's share of PostgreSQL's CPU from lapse's.
     pub async fn run(
         &self,
         clients: Vec<Client>,
         progress: &Progress,
-    ) -> anyhow::Result<(u64, Duration)> {
+    ) -> anyhow::Result<(u64, Duration, f64)> {
         let total = self.total();
         let statements = total.div_ceil(PER_STATEMENT as u64);
         let per_connection = statements.div_ceil(self.connections as u64);
@@ -63,6 +67,13 @@ impl Steady {
         );
         let created = Arc::new(AtomicU64::new(0));
         let last_ns = Arc::new(AtomicU64::new(0));
+        let mut backends = Vec::with_capacity(clients.len());
+        for db in &clients {
+            let pid: i32 = db.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+            let pid = u32::try_from(pid).unwrap_or(0);
+            backends.push((pid, super::cpu::of_pid(pid)));
+        }
+        let backend_cpu = Arc::new(std::sync::Mutex::new(0.0_f64));
         let started = tokio::time::Instant::now();
         let mut tasks = Vec::new();
         for (c, db) in clients.into_iter().enumerate() {
@@ -74,6 +85,8 @@ impl Steady {
             let deadlines = deadlines.clone();
             let created = created.clone();
             let last_ns = last_ns.clone();
+            let (backend, cpu_before) = backends[c];
+            let backend_cpu = backend_cpu.clone();
             let stagger = period.mul_f64(c as f64 / self.connections as f64);
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(stagger).await;
@@ -98,6 +111,11 @@ impl Steady {
                     let at = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     last_ns.fetch_max(at, Ordering::Relaxed);
                 }
+                // Read while the session still exists (its process ends with `db`).
+                let spent = super::cpu::of_pid(backend) - cpu_before;
+                if let Ok(mut total) = backend_cpu.lock() {
+                    *total += spent.max(0.0);
+                }
                 anyhow::Ok(())
             }));
         }
@@ -115,9 +133,11 @@ impl Steady {
             t.await??;
         }
         watcher.abort();
+        let backend_cpu = backend_cpu.lock().map(|t| *t).unwrap_or(0.0);
         Ok((
             created.load(Ordering::Relaxed),
             Duration::from_nanos(last_ns.load(Ordering::Relaxed)),
+            backend_cpu,
         ))
     }
 }

@@ -33,8 +33,15 @@ pub async fn step(env: &BenchEnv, load: &Steady, name: &str) -> anyhow::Result<S
     let traffic = Traffic::sample(env, &db, false).await;
     let meter = Meter::start(env);
     let progress = Progress::new(&format!("{name}: created"), load.total());
-    let (orders, creating) = load.run(clients, &progress).await?;
+    let (orders, creating, generator_db) = load.run(clients, &progress).await?;
     report.orders = orders;
+    if orders > 0 {
+        // The application's own inserts, part of `postgres` in cpu_per_1000.
+        report.figure(
+            "generator_postgres_cpu_per_1000",
+            generator_db * 1000.0 / orders as f64,
+        );
+    }
     progress.finish();
     if !creating.is_zero() {
         report.figure("created_per_s", orders as f64 / creating.as_secs_f64());

@@ -16,7 +16,7 @@ use crate::db::{DbError, column};
 
 mod release;
 
-pub use release::{Released, StockRelease};
+pub use release::{Released, StockRelease, TABLE_LOCK_WAIT};
 
 /// Who closed an order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +147,22 @@ UNION ALL
 SELECT id, NULL, NULL FROM eligible WHERE id NOT IN (SELECT id FROM locked)"
 );
 
+/// Applies the stock release of what `report` closed in `tx` under
+/// [`StockRelease::InClose`] (nothing to do under `Event`: the close wrote the outbox
+/// rows). Called last before the commit, so that the transaction holds stock rows
+/// for as short a time as it can.
+pub async fn release_closed(
+    tx: &Transaction<'_>,
+    report: &mut CloseReport,
+    release: StockRelease,
+) -> Result<(), DbError> {
+    if release == StockRelease::InClose {
+        let ids: Vec<i64> = report.closed.iter().map(|c| c.order_id).collect();
+        report.released = self::release::in_close(tx, &ids).await?;
+    }
+    Ok(())
+}
+
 /// What one close statement did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CloseReport {
@@ -160,7 +176,8 @@ pub struct CloseReport {
 }
 
 /// Closes every candidate that is still UNPAID, of the same version and due, in
-/// `tx`. Rows locked by another transaction are skipped and reported. `tx` must be a
+/// `tx`, with their stock-release outbox rows under [`StockRelease::Event`] (under
+/// `InClose` the caller releases them with [`release_closed`] before it commits). Rows locked by another transaction are skipped and reported. `tx` must be a
 /// short transaction whose waits for any other lock are bounded by the caller's lock
 /// timeout (opened with [`crate::db::begin_short`]; a timeout is an error the caller
 /// retries).
@@ -209,10 +226,6 @@ pub async fn close_due(
             }),
             None => report.locked.push(order_id),
         }
-    }
-    if release == StockRelease::InClose {
-        let ids: Vec<i64> = report.closed.iter().map(|c| c.order_id).collect();
-        report.released = self::release::in_close(tx, &ids).await?;
     }
     Ok(report)
 }

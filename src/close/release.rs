@@ -4,7 +4,9 @@
 //! transaction per batch (docs/pipeline.md, "The stock release").
 //!
 //! Locks: the close holds the order rows; this statement then locks their stock rows
-//! in SKU order with `SKIP LOCKED`, so it never waits for a lock: no deadlock with
+//! in SKU order with `FOR NO KEY UPDATE SKIP LOCKED` (the lock its UPDATE takes, which
+//! lets a shop's rows referencing `stock` be inserted meanwhile), so it never waits for
+//! a row lock, and its table locks wait at most [`TABLE_LOCK_WAIT`]: no deadlock with
 //! checkouts, payments or the releaser, whatever order they take locks in, and a
 //! checkout holding a SKU's row (inside a slow payment call) never stalls a close. An
 //! order one of whose SKUs another transaction holds is not released here: it gets the
@@ -32,6 +34,10 @@ pub enum StockRelease {
     Event,
 }
 
+/// How long the release waits for a table lock (not a row lock: those it skips)
+/// before it gives the batch's releases to the event path.
+pub const TABLE_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// What the release of one batch of closes did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Released {
@@ -53,7 +59,7 @@ WITH lines AS MATERIALIZED (
 ),
 held AS MATERIALIZED (
     SELECT s.sku FROM stock s WHERE s.sku IN (SELECT sku FROM lines)
-     ORDER BY s.sku FOR UPDATE SKIP LOCKED
+     ORDER BY s.sku FOR NO KEY UPDATE SKIP LOCKED
 ),
 deferred AS MATERIALIZED (
     SELECT DISTINCT l.order_id AS id FROM lines l JOIN stock s ON s.sku = l.sku
@@ -110,7 +116,15 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
     if closed.is_empty() {
         return Ok(Released::default());
     }
-    tx.batch_execute("SAVEPOINT lapse_release").await?;
+    // The table locks (DDL, VACUUM FULL on stock or the ledger) are waited for briefly:
+    // the close's own lock timeout is restored after the release.
+    tx.batch_execute(&format!(
+        "SAVEPOINT lapse_release;
+         SELECT set_config('lapse.close_lock_timeout', current_setting('lock_timeout'), true),
+                set_config('lock_timeout', '{}ms', true)",
+        TABLE_LOCK_WAIT.as_millis()
+    ))
+    .await?;
     let attempt = tx
         .query_typed_one(
             RELEASE_IN_CLOSE_SQL,
@@ -119,18 +133,23 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
         .await;
     match attempt {
         Ok(row) => {
-            tx.batch_execute("RELEASE SAVEPOINT lapse_release").await?;
+            tx.batch_execute(
+                "RELEASE SAVEPOINT lapse_release;
+                 SELECT set_config('lock_timeout', current_setting('lapse.close_lock_timeout'), true)",
+            )
+            .await?;
             Ok(Released {
                 applied: column(&row, "applied")?,
                 deferred: column(&row, "deferred")?,
             })
         }
         Err(e) => {
-            // Only what the database refused; a lost connection fails the rollback.
-            tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_release")
-                .await?;
             tracing::warn!(error = %e, orders = closed.len(),
                 "close: the stock release in the close's transaction failed; the batch's releases go to the stock releaser");
+            // Only what the database refused goes on; a lost connection fails here. The
+            // rollback also undoes the shorter lock timeout.
+            tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_release")
+                .await?;
             let deferred = tx
                 .execute_typed(
                     DEFER_ALL_SQL,

@@ -393,8 +393,8 @@ impl Relay {
                 continue;
             }
             let busy = health.busy(self.component);
+            // A full round goes on at once with the same `waited`: its rows waited too.
             let round = self.round(&conn, &publisher, waited).await;
-            waited = Duration::ZERO;
             drop(busy);
             match round {
                 // Refused and returned rows were rescheduled: no reason to slow down

@@ -269,9 +269,15 @@ impl Sweeper {
                 report.lost_lead = true;
                 break;
             }
-            let done = close::close_due(&tx, &candidates, CloseReason::Sweeper, self.stock_release)
-                .await?;
+            let mut done =
+                close::close_due(&tx, &candidates, CloseReason::Sweeper, self.stock_release)
+                    .await?;
+            close::release_closed(&tx, &mut done, self.stock_release).await?;
             tx.commit().await?;
+            self.stats.by("sweeper").record(
+                Outcome::Released,
+                u64::try_from(done.released.applied).unwrap_or(0),
+            );
             let closed = done.closed;
             // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
             let pace = async {

@@ -53,7 +53,7 @@ async fn the_outbox_says_which_writes_may_wait() {
     assert_eq!(next(&mut heard).await, "gather", "an intent due in 10 s");
     create_orders(&mut db, &[Duration::from_millis(500)], &[]).await;
     assert_eq!(next(&mut heard).await, "", "an intent due in 500 ms");
-    // One statement writing a far and a near intent: the near one decides.
+    // One statement writing a far and a near intent: each says what it is.
     db.batch_execute(
         "INSERT INTO outbox (kind, order_id, payload)
          SELECT 'timeout', 1, jsonb_build_object('expire_at',
@@ -63,12 +63,41 @@ async fn the_outbox_says_which_writes_may_wait() {
     )
     .await
     .unwrap();
-    assert_eq!(next(&mut heard).await, "");
+    let mut both = vec![next(&mut heard).await, next(&mut heard).await];
+    both.sort();
+    assert_eq!(both, ["", "gather"], "the near one wakes the relay at once");
     // Extending to a far deadline writes a far intent.
     orders::extend(&db, far[0], Deadline::In(Duration::from_secs(60)))
         .await
         .unwrap();
     assert_eq!(next(&mut heard).await, "gather");
+    // Judged when the transaction commits: due 2.5 s after the write, 1 s later at commit.
+    let tx = db.transaction().await.unwrap();
+    tx.batch_execute(
+        "INSERT INTO outbox (kind, order_id, payload)
+         SELECT 'timeout', 1, jsonb_build_object('expire_at',
+                to_char((clock_timestamp() + interval '2.5 seconds') AT TIME ZONE 'UTC',
+                        'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'))",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tx.commit().await.unwrap();
+    assert_eq!(next(&mut heard).await, "", "due 1.5 s after its commit");
+    // The kinds' outbox speaks the same way.
+    db.batch_execute(
+        "INSERT INTO lapse.kind_outbox (kind, deadline_id, payload)
+         SELECT 'deadline', 1, jsonb_build_object('expire_at',
+                to_char((clock_timestamp() + interval '1 hour') AT TIME ZONE 'UTC',
+                        'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'))",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        next(&mut heard).await,
+        "gather",
+        "a kind's deadline due in an hour"
+    );
     // Anything that is not an intent, and an intent whose deadline cannot be read.
     for payload in [
         "('stock.release', 1, '{}')",

@@ -408,6 +408,10 @@ async fn close_now(db: &mut tokio_postgres::Client, id: orders::OrderId) -> usiz
     )
     .await
     .unwrap();
+    let mut report = report;
+    lapse::close::release_closed(&tx, &mut report, lapse::close::StockRelease::default())
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     report.closed.len()
 }

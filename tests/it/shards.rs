@@ -588,3 +588,93 @@ async fn migrate_gives_up_on_a_server_that_accepts_but_never_answers() {
     drop(shard0);
     env.cleanup().await;
 }
+
+/// A pack whose entries live in two shards, one of them down: the live shard's entry
+/// closes at once, the other waits on the database-away path and closes when its
+/// database returns; neither is early, none lost.
+#[tokio::test]
+async fn a_pack_of_two_shards_closes_the_live_shards_entry_while_the_other_is_down() {
+    let env = TestEnv::new(&["1s"]).await;
+    lapse::amqp::topology::apply(&env.conn, &env.topology())
+        .await
+        .unwrap();
+    let shared = Databases::new(&["s1"]);
+    let pg = PrivatePostgres::start(crate::helpers::free_port());
+    let urls = [pg.url("lapse"), shared.urls()[0].clone()];
+    let mut config = env.config();
+    config.database.shards = Some(urls.iter().map(Secret::new).collect());
+    config.worker.max_attempts = 30;
+    // Only the hand-made pack below carries these deadlines.
+    config.worker.relay = false;
+    let settings = lapse::db::Settings::from_config(&config);
+    for (shard, result) in lapse::db::migrate_shards(&config.database, &settings).await {
+        assert!(result.is_ok(), "shard {}: {:?}", shard.index, result.err());
+    }
+    let mut dbs = Vec::new();
+    let mut entries = Vec::new();
+    for (shard, url) in urls.iter().enumerate() {
+        let mut db = connect(url).await;
+        let id = create_orders(&mut db, &[Duration::from_millis(300)], &[]).await[0];
+        let view = orders::show(&db, id).await.unwrap().unwrap();
+        let message =
+            lapse::message::TimeoutMessage::new(id.0, view.expire_at, view.deadline_version)
+                .in_shard(shard as u16);
+        entries.push(message.encode());
+        dbs.push(db);
+    }
+    let worker = env.start(&config).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    pg.stop_server();
+    let refs: Vec<&[u8]> = entries.iter().map(Vec::as_slice).collect();
+    crate::parked::publish(
+        &env,
+        &env.names().due_exchange(),
+        lapse::names::DUE_ROUTING_KEY,
+        &lapse::pack::body(&refs),
+        lapin::BasicProperties::default().with_delivery_mode(2),
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "shard 1's entry closed",
+        || async {
+            (count(
+                &dbs[1],
+                "SELECT count(*) FROM orders WHERE status = 'CLOSED'",
+            )
+            .await
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    pg.start_server();
+    dbs[0] = connect(&urls[0]).await;
+    eventually(
+        Duration::from_secs(60),
+        "shard 0's entry closed",
+        || async {
+            (count(
+                &dbs[0],
+                "SELECT count(*) FROM orders WHERE status = 'CLOSED'",
+            )
+            .await
+                == 1)
+                .then_some(())
+        },
+    )
+    .await;
+    worker.stop().await;
+    for db in &dbs {
+        crate::helpers::assert_never_early(db).await;
+    }
+    let parked = crate::queues::drain_reasons(
+        &env.conn,
+        &env.names().parked(),
+        0,
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(parked.is_empty(), "{parked:?}");
+    env.cleanup().await;
+}

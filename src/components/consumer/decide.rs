@@ -71,6 +71,8 @@ pub struct Decider {
     pub clock_offset: ClockOffset,
     /// Where the stock release of what this worker closes is applied.
     pub stock_release: close::StockRelease,
+    /// Where releases applied in the close are counted (`released`).
+    pub stats: crate::observe::stats::Stats,
 }
 
 /// The database's clock minus the worker's, shared by clones of a [`Decider`].
@@ -273,10 +275,16 @@ impl Decider {
                 hops: i32::try_from(m.hops).unwrap_or(i32::MAX),
             })
             .collect();
-        let report =
+        let mut report =
             close::close_due(&tx, &candidates, CloseReason::Timeout, self.stock_release).await?;
         let (deadlines, verdicts) = self.fire_due(&tx, &deadlines, db_now).await?;
+        // Last: the stock rows it locks are held only until the commit.
+        close::release_closed(&tx, &mut report, self.stock_release).await?;
         tx.commit().await?;
+        self.stats.record(
+            Outcome::Released,
+            u64::try_from(report.released.applied).unwrap_or(0),
+        );
         Ok(Snapshot {
             db_now,
             orders,

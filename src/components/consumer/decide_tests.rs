@@ -30,6 +30,7 @@ fn decider() -> Decider {
         tier_tolerance: Duration::from_millis(50),
         clock_offset: Default::default(),
         stock_release: Default::default(),
+        stats: Default::default(),
     }
 }
 

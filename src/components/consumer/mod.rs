@@ -137,6 +137,7 @@ impl Consumer {
                 kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
                 clock_offset: Default::default(),
                 stock_release: w.stock_release,
+                stats: stats.clone(),
             },
             names,
             stats,
