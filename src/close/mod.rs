@@ -85,6 +85,22 @@ macro_rules! release_outbox_insert {
 }
 pub(crate) use release_outbox_insert;
 
+/// The CTE `restocked`: returns to `available` what the CTE `released` (the new
+/// `release` ledger rows, `sku, qty`) took from `reserved`, one UPDATE per SKU. Shared
+/// by the release in the close and the stock releaser.
+macro_rules! restock_cte {
+    () => {
+        "restocked AS (
+    UPDATE stock s
+       SET available = s.available + r.qty, reserved = s.reserved - r.qty
+      FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
+     WHERE s.sku = r.sku
+    RETURNING 1
+),"
+    };
+}
+pub(crate) use restock_cte;
+
 /// Locks what it closes with `SKIP LOCKED`: a row someone else holds (an application
 /// inside `SELECT ... FOR UPDATE` around a slow payment call) is left alone and
 /// reported as locked, instead of making the whole batch wait for it. The lock is

@@ -75,13 +75,9 @@ released AS (
     ON CONFLICT DO NOTHING
     RETURNING sku, qty
 ),
-restocked AS (
-    UPDATE stock s
-       SET available = s.available + r.qty, reserved = s.reserved - r.qty
-      FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
-     WHERE s.sku = r.sku
-    RETURNING 1
-),
+",
+    super::restock_cte!(),
+    "
 stamped AS (
     UPDATE orders o SET released_at = clock_timestamp()
       FROM in_place i WHERE o.id = i.id AND o.status = 'CLOSED'

@@ -9,7 +9,7 @@ use lapse::orders::{self, Deadline};
 use tokio::sync::mpsc;
 
 use crate::helpers::{
-    TestEnv, assert_never_early, count, create_orders, eventually, on_lapse_path,
+    TestEnv, assert_never_early, count, create_orders, eventually, on_lapse_path, wait_closed,
 };
 
 /// A LISTEN connection on the outbox channel: the payloads it hears.
@@ -195,11 +195,7 @@ async fn far_intents_written_apart_leave_as_one_pack_and_close_on_time() {
         (1..=2).contains(&waiting),
         "{waiting} messages for 10 intents in the wait queue"
     );
-    eventually(Duration::from_secs(30), "all ten closed", || async {
-        (count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await == 10)
-            .then_some(())
-    })
-    .await;
+    wait_closed(&db, 10, Duration::from_secs(30)).await;
     worker.stop().await;
     assert_never_early(&db).await;
     let late = count(

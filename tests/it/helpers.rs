@@ -461,6 +461,16 @@ pub async fn create_orders(
     ids
 }
 
+/// Waits until exactly `n` orders are closed (never more), up to `limit`.
+pub async fn wait_closed(db: &tokio_postgres::Client, n: i64, limit: Duration) {
+    eventually(limit, &format!("{n} orders closed"), || async {
+        let closed = count(db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
+        assert!(closed <= n, "{closed} orders closed, more than {n}");
+        (closed == n).then_some(())
+    })
+    .await;
+}
+
 /// Waits (up to 30 s) until exactly `n` release ledger rows exist.
 pub async fn wait_released(db: &tokio_postgres::Client, n: i64) {
     eventually(Duration::from_secs(30), "stock releases", || async {

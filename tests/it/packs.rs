@@ -15,7 +15,7 @@ use lapse::observe::stats::Outcome;
 use lapse::orders::{self, Deadline, OrderId};
 use lapse::pack;
 
-use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};
+use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually, wait_closed};
 use crate::parked::{json_out, list, park};
 
 /// Each order's timeout as its relay would write it, from the database.
@@ -68,16 +68,6 @@ async fn drain_parked(env: &TestEnv) -> Vec<(Vec<u8>, String)> {
         m.ack(BasicAckOptions::default()).await.unwrap();
     }
     out
-}
-
-/// Waits until exactly `n` orders are closed (never more), up to `limit`.
-async fn wait_closed(db: &tokio_postgres::Client, n: i64, limit: Duration) {
-    eventually(limit, &format!("{n} orders closed"), || async {
-        let closed = count(db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await;
-        assert!(closed <= n, "{closed} orders closed, more than {n}");
-        (closed == n).then_some(())
-    })
-    .await;
 }
 
 async fn closed_events(db: &tokio_postgres::Client) -> i64 {

@@ -9,7 +9,8 @@ use lapse::close::StockRelease;
 use lapse::orders::Line;
 
 use crate::helpers::{
-    TestEnv, assert_never_early, count, create_orders, eventually, unstamped_closes, wait_released,
+    TestEnv, assert_never_early, count, create_orders, eventually, unstamped_closes, wait_closed,
+    wait_released,
 };
 
 fn lines(skus: &[&str]) -> Vec<Line> {
@@ -104,11 +105,7 @@ async fn a_locked_stock_row_defers_only_its_orders_release_to_the_event_path() {
         .unwrap();
     let worker = env.start(&config).await;
     // Every order closes on time although one SKU is locked; the cold ones release.
-    eventually(Duration::from_secs(30), "all ten closed", || async {
-        (count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await == 10)
-            .then_some(())
-    })
-    .await;
+    wait_closed(&db, 10, Duration::from_secs(30)).await;
     let late = count(
         &db,
         // Less than database.lock_timeout: a close that waited for the lock would show.

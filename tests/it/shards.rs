@@ -634,36 +634,10 @@ async fn a_pack_of_two_shards_closes_the_live_shards_entry_while_the_other_is_do
         lapin::BasicProperties::default().with_delivery_mode(2),
     )
     .await;
-    eventually(
-        Duration::from_secs(30),
-        "shard 1's entry closed",
-        || async {
-            (count(
-                &dbs[1],
-                "SELECT count(*) FROM orders WHERE status = 'CLOSED'",
-            )
-            .await
-                == 1)
-                .then_some(())
-        },
-    )
-    .await;
+    crate::helpers::wait_closed(&dbs[1], 1, Duration::from_secs(30)).await;
     pg.start_server();
     dbs[0] = connect(&urls[0]).await;
-    eventually(
-        Duration::from_secs(60),
-        "shard 0's entry closed",
-        || async {
-            (count(
-                &dbs[0],
-                "SELECT count(*) FROM orders WHERE status = 'CLOSED'",
-            )
-            .await
-                == 1)
-                .then_some(())
-        },
-    )
-    .await;
+    crate::helpers::wait_closed(&dbs[0], 1, Duration::from_secs(60)).await;
     worker.stop().await;
     for db in &dbs {
         crate::helpers::assert_never_early(db).await;

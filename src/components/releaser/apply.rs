@@ -25,7 +25,8 @@ pub struct ReleaseOutcome {
 // for each batch whenever its statistics were older than the table (a fresh database, or
 // a burst of closes before autovacuum's next analyze): work per batch that grew with the
 // backlog the batch was part of (29 ms per batch of 8 at 50,000 unreleased orders).
-const RELEASE_SQL: &str = "
+const RELEASE_SQL: &str = concat!(
+    "
 WITH released AS (
     INSERT INTO stock_ledger (order_id, sku, kind, qty)
     SELECT l.order_id, l.sku, 'release', l.qty
@@ -36,13 +37,9 @@ WITH released AS (
     ON CONFLICT DO NOTHING
     RETURNING sku, qty
 ),
-restocked AS (
-    UPDATE stock s
-       SET available = s.available + r.qty, reserved = s.reserved - r.qty
-      FROM (SELECT sku, sum(qty) AS qty FROM released GROUP BY sku) r
-     WHERE s.sku = r.sku
-    RETURNING 1
-),
+",
+    crate::close::restock_cte!(),
+    "
 stamped AS (
     -- What the reconciler looks for: CLOSED orders without this stamp. `$2` holds only
     -- rows this transaction locked unstamped, so no `released_at IS NULL` here: that
@@ -53,7 +50,8 @@ stamped AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked,
-       (SELECT count(*) FROM stamped) AS stamped";
+       (SELECT count(*) FROM stamped) AS stamped"
+);
 
 /// Locks the CLOSED orders among `$1` that no other transaction holds (`locked`), with
 /// whether each still lacks its `released_at` stamp (`unstamped`; the lock keeps it so
