@@ -6,8 +6,9 @@
 //! Locks: the close holds the order rows; this statement then locks their stock rows
 //! in SKU order with `FOR NO KEY UPDATE SKIP LOCKED` (the lock its UPDATE takes, which
 //! lets a shop's rows referencing `stock` be inserted meanwhile), so it never waits for
-//! a row lock, and its table locks wait at most [`TABLE_LOCK_WAIT`]: no deadlock with
-//! checkouts, payments or the releaser, whatever order they take locks in, and a
+//! a row lock, and its table locks wait at most [`TABLE_LOCK_WAIT`] (then the batch's
+//! releases go to the outbox, whose insert waits as any close's would): no deadlock
+//! with checkouts, payments or the releaser, whatever order they take locks in, and a
 //! checkout holding a SKU's row (inside a slow payment call) never stalls a close. An
 //! order one of whose SKUs another transaction holds is not released here: it gets the
 //! stock-release outbox row the event path writes, and the releaser applies it later,
@@ -112,15 +113,25 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
     if closed.is_empty() {
         return Ok(Released::default());
     }
-    // The table locks (DDL, VACUUM FULL on stock or the ledger) are waited for briefly:
-    // the close's own lock timeout is restored after the release.
-    tx.batch_execute(&format!(
-        "SAVEPOINT lapse_release;
-         SELECT set_config('lapse.close_lock_timeout', current_setting('lock_timeout'), true),
-                set_config('lock_timeout', '{}ms', true)",
-        TABLE_LOCK_WAIT.as_millis()
-    ))
-    .await?;
+    // The release statement's table locks (DDL, VACUUM FULL on stock, the ledger, the
+    // order lines or the outbox) are waited for briefly; the close's own lock timeout,
+    // read here, is restored after it (no custom setting: some servers refuse those).
+    let setup = tx
+        .simple_query(&format!(
+            "SAVEPOINT lapse_release; SELECT current_setting('lock_timeout');
+             SET LOCAL lock_timeout = '{}ms'",
+            TABLE_LOCK_WAIT.as_millis()
+        ))
+        .await?;
+    let restore = setup
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+            _ => None,
+        })
+        .filter(|v| v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.'))
+        // Unreadable (never seen): database.lock_timeout's default rather than none.
+        .unwrap_or_else(|| "5s".to_string());
     let attempt = tx
         .query_typed_one(
             RELEASE_IN_CLOSE_SQL,
@@ -129,10 +140,9 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
         .await;
     match attempt {
         Ok(row) => {
-            tx.batch_execute(
-                "RELEASE SAVEPOINT lapse_release;
-                 SELECT set_config('lock_timeout', current_setting('lapse.close_lock_timeout'), true)",
-            )
+            tx.batch_execute(&format!(
+                "RELEASE SAVEPOINT lapse_release; SET LOCAL lock_timeout = '{restore}'"
+            ))
             .await?;
             Ok(Released {
                 applied: column(&row, "applied")?,

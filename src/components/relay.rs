@@ -412,6 +412,7 @@ impl Relay {
                 Ok(RelayOutcome::Idle) => waited = wait(wake, poll, self.gather, token).await,
                 Err(RelayError::Broker(e)) => break Err(e),
                 Err(RelayError::Db(e)) => {
+                    waited = Duration::ZERO;
                     tracing::warn!(component = self.component, error = %e, "relay: database error; retrying");
                     backoff.sleep(token).await;
                 }

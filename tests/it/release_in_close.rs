@@ -174,3 +174,73 @@ async fn the_event_path_still_releases_through_the_broker() {
     assert_eq!(unstamped_closes(&db).await, 0);
     env.cleanup().await;
 }
+
+/// Closes `ids` (due) through the one close path with the release in the close, in a
+/// transaction whose lock timeout is 700 ms; what the release did and the lock timeout
+/// the transaction has afterwards.
+async fn close_in_place(
+    db: &mut tokio_postgres::Client,
+    ids: &[lapse::orders::OrderId],
+) -> (lapse::close::CloseReport, String) {
+    let tx = db.transaction().await.unwrap();
+    tx.batch_execute("SET LOCAL lock_timeout = '700ms'")
+        .await
+        .unwrap();
+    let candidates: Vec<lapse::close::Candidate> = ids
+        .iter()
+        .map(|id| lapse::close::Candidate {
+            order_id: id.0,
+            deadline_version: 1,
+            hops: 0,
+        })
+        .collect();
+    let mut report = lapse::close::close_due(
+        &tx,
+        &candidates,
+        lapse::close::CloseReason::Sweeper,
+        StockRelease::InClose,
+    )
+    .await
+    .unwrap();
+    lapse::close::release_closed(&tx, &mut report, StockRelease::InClose)
+        .await
+        .unwrap();
+    let timeout: String = tx.query_one("SHOW lock_timeout", &[]).await.unwrap().get(0);
+    tx.commit().await.unwrap();
+    (report, timeout)
+}
+
+#[tokio::test]
+async fn a_release_the_data_refuses_sends_the_batch_to_the_event_path_and_keeps_the_closes() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    let fine = create_orders(&mut db, &[Duration::from_millis(50); 3], &lines(&["fine"])).await;
+    let bad = create_orders(&mut db, &[Duration::from_millis(50)], &lines(&["broken"])).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A healthy batch: released in place, the close's own lock timeout back afterwards.
+    let (report, timeout) = close_in_place(&mut db, &fine[..1]).await;
+    assert_eq!(report.closed.len(), 1);
+    assert_eq!(report.released.applied, 1);
+    assert_eq!(timeout, "700ms");
+    // Someone zeroed the reservation by hand: the release would break `reserved >= 0`.
+    db.execute("UPDATE stock SET reserved = 0 WHERE sku = 'broken'", &[])
+        .await
+        .unwrap();
+    let batch = [fine[1], fine[2], bad[0]];
+    let (report, timeout) = close_in_place(&mut db, &batch).await;
+    assert_eq!(report.closed.len(), 3, "the closes stand");
+    assert_eq!(report.released.applied, 0);
+    assert_eq!(report.released.deferred, 3, "{report:?}");
+    assert_eq!(timeout, "700ms");
+    let outboxed = count(
+        &db,
+        "SELECT count(*) FROM outbox WHERE kind = 'stock.release'",
+    )
+    .await;
+    assert_eq!(outboxed, 3, "the batch's releases wait for the releaser");
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        3 + 1
+    );
+    env.cleanup().await;
+}
