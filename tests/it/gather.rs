@@ -177,19 +177,9 @@ async fn far_intents_written_apart_leave_as_one_pack_and_close_on_time() {
         (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
     })
     .await;
-    let channel = env.conn.create_channel().await.unwrap();
-    let waiting = channel
-        .queue_declare(
-            wait_queue.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
+    let waiting = crate::queues::depth(&env.conn, &wait_queue)
         .await
-        .unwrap()
-        .message_count();
+        .expect("the 5s wait queue");
     // One gathering round takes them all (one more if a round ran between writes).
     assert!(
         (1..=2).contains(&waiting),

@@ -24,19 +24,9 @@ fn lines(skus: &[&str]) -> Vec<Line> {
 
 /// Ready messages on the stock-release queue (the events the relay published).
 async fn release_events(env: &TestEnv) -> u32 {
-    let channel = env.conn.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            env.names().stock_release_queue().as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
+    crate::queues::depth(&env.conn, &env.names().stock_release_queue())
         .await
-        .unwrap()
-        .message_count()
+        .expect("the stock-release queue")
 }
 
 #[tokio::test]
