@@ -278,6 +278,10 @@ impl Sweeper {
                 Outcome::Released,
                 u64::try_from(done.released.applied).unwrap_or(0),
             );
+            self.stats.by("sweeper").record(
+                Outcome::ReleaseDeferred,
+                u64::try_from(done.released.deferred).unwrap_or(0),
+            );
             let closed = done.closed;
             // Pacing is deliberate idleness, not a stall; shutdown cuts it short.
             let pace = async {

@@ -26,6 +26,7 @@ pub const OUTBOX_OLDEST_AGE: &str = "lapse_outbox_oldest_age_seconds";
 pub const OUTBOX_STUCK: &str = "lapse_outbox_stuck_rows";
 pub const RELEASES: &str = "lapse_releases_total";
 pub const RELEASE_RETRIES: &str = "lapse_release_retries_total";
+pub const RELEASES_DEFERRED: &str = "lapse_releases_deferred_total";
 pub const RELEASES_LOCKED: &str = "lapse_releases_locked_total";
 pub const RECONCILER_REPAIRS: &str = "lapse_reconciler_repairs_total";
 pub const SWEEPER_LOCKED: &str = "lapse_sweeper_locked_total";
@@ -177,7 +178,12 @@ fn describe_all() {
     describe_counter!(
         RELEASES,
         Unit::Count,
-        "Stock releases applied by the releaser, one per (order, sku)."
+        "Stock releases applied, one per (order, sku): by the releaser or in the close's transaction."
+    );
+    describe_counter!(
+        RELEASES_DEFERRED,
+        Unit::Count,
+        "Closed orders whose stock release the close could not apply in its transaction (a stock row held, a table lock, a release the data refused): sent to the releaser as an event."
     );
     describe_counter!(
         RELEASE_RETRIES,
@@ -259,7 +265,13 @@ fn describe_all() {
     for path in ["timeout", "sweeper"] {
         metrics::counter!(CLOSES, "path" => path).increment(0);
     }
-    for name in [RELAY_PUBLISHED, RELAY_REFUSED, RELEASES, RECONCILER_REPAIRS] {
+    for name in [
+        RELAY_PUBLISHED,
+        RELAY_REFUSED,
+        RELEASES,
+        RELEASES_DEFERRED,
+        RECONCILER_REPAIRS,
+    ] {
         metrics::counter!(name).increment(0);
     }
 }

@@ -47,6 +47,10 @@ pub enum Outcome {
     /// Stock releaser: a batch kept (unacknowledged) and retried after a transient
     /// database error; counts deliveries per retry.
     ReleaseRetried,
+    /// Closes whose stock release could not be applied in the close's transaction (a
+    /// stock row held, a table lock, a release the data refused): sent to the stock
+    /// releaser as an event instead.
+    ReleaseDeferred,
     /// A publish the broker could not route to any queue (returned, `mandatory`):
     /// the relay keeps the outbox row, the worker parks the delivery with the reason.
     /// Also a timeout not published because its wait tier has no queue: the relay
@@ -62,7 +66,7 @@ pub enum Outcome {
     GivenBack,
 }
 
-pub const ALL_OUTCOMES: [Outcome; 20] = [
+pub const ALL_OUTCOMES: [Outcome; 21] = [
     Outcome::Parked,
     Outcome::Missing,
     Outcome::Settled,
@@ -79,6 +83,7 @@ pub const ALL_OUTCOMES: [Outcome; 20] = [
     Outcome::PublishRefused,
     Outcome::Released,
     Outcome::ReleaseRetried,
+    Outcome::ReleaseDeferred,
     Outcome::Unroutable,
     Outcome::ReleaseRepaired,
     Outcome::Renewed,
@@ -104,6 +109,7 @@ impl Outcome {
             Outcome::PublishRefused => "publish_refused",
             Outcome::Released => "released",
             Outcome::ReleaseRetried => "release_retried",
+            Outcome::ReleaseDeferred => "release_deferred",
             Outcome::Unroutable => "unroutable",
             Outcome::ReleaseRepaired => "release_repaired",
             Outcome::Renewed => "renewed",
@@ -171,6 +177,7 @@ impl Stats {
             }
             (Released, _) => metrics::counter!(m::RELEASES).increment(n),
             (ReleaseRetried, _) => metrics::counter!(m::RELEASE_RETRIES).increment(n),
+            (ReleaseDeferred, _) => metrics::counter!(m::RELEASES_DEFERRED).increment(n),
             (ReleaseRepaired, _) => metrics::counter!(m::RECONCILER_REPAIRS).increment(n),
             (SweptClosed, _) => metrics::counter!(m::CLOSES, "path" => "sweeper").increment(n),
             (Locked, "sweeper") => metrics::counter!(m::SWEEPER_LOCKED).increment(n),

@@ -40,6 +40,7 @@ async fn closes_release_their_stock_in_the_same_transaction_without_an_event() {
     create_orders(&mut db, &deadlines, &lines(&["a", "b"])).await;
     let worker = env.start(&config).await;
     wait_released(&db, 60).await;
+    let worker_stats = worker.stats.clone();
     worker.stop().await;
 
     assert_eq!(
@@ -68,6 +69,11 @@ async fn closes_release_their_stock_in_the_same_transaction_without_an_event() {
         release_events(&env).await,
         0,
         "no release went through the broker"
+    );
+    assert_eq!(
+        worker_stats.get(lapse::observe::stats::Outcome::Released),
+        60,
+        "releases in the close are counted"
     );
     assert_never_early(&db).await;
     env.cleanup().await;
@@ -115,6 +121,13 @@ async fn a_locked_stock_row_defers_only_its_orders_release_to_the_event_path() {
     )
     .await;
     assert_eq!(hot_released, 0, "released under the application's lock");
+    assert_eq!(
+        worker
+            .stats
+            .get(lapse::observe::stats::Outcome::ReleaseDeferred),
+        held.len() as u64,
+        "the deferred releases are counted"
+    );
     // The application lets go: the deferred releases arrive through the releaser.
     app_tx.rollback().await.unwrap();
     wait_released(&db, (held.len() + free.len()) as i64).await;

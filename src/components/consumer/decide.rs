@@ -285,6 +285,10 @@ impl Decider {
             Outcome::Released,
             u64::try_from(report.released.applied).unwrap_or(0),
         );
+        self.stats.record(
+            Outcome::ReleaseDeferred,
+            u64::try_from(report.released.deferred).unwrap_or(0),
+        );
         Ok(Snapshot {
             db_now,
             orders,
