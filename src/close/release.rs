@@ -22,18 +22,8 @@ use tokio_postgres::Transaction;
 
 use crate::db::{DbError, column};
 
-/// Where the example shop's stock release is applied.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum StockRelease {
-    /// In the close's transaction, one statement per batch (an order whose stock row
-    /// is locked falls back to the event).
-    #[default]
-    InClose,
-    /// As a `stock.release` event through the broker to the stock releaser, which
-    /// applies it in a transaction of its own.
-    Event,
-}
+/// Chosen in the configuration (`worker.stock_release`), which owns the type.
+pub use crate::config::StockRelease;
 
 /// How long the release waits for a table lock (not a row lock: those it skips)
 /// before it gives the batch's releases to the event path.

@@ -148,6 +148,19 @@ pub struct TopologyConfig {
     pub quorum_group_size: Option<u32>,
 }
 
+/// Where the example shop's stock release is applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StockRelease {
+    /// In the close's transaction, one statement per batch (an order whose stock row
+    /// is locked falls back to the event).
+    #[default]
+    InClose,
+    /// As a `stock.release` event through the broker to the stock releaser, which
+    /// applies it in a transaction of its own.
+    Event,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
@@ -161,7 +174,7 @@ pub struct WorkerConfig {
     /// transaction; an order whose stock row is locked falls back to the event) or
     /// `event` (a `stock.release` message to the stock releaser).
     #[serde(default)]
-    pub stock_release: crate::close::StockRelease,
+    pub stock_release: StockRelease,
     /// Run the backstop sweeper.
     pub sweeper: bool,
     /// Apply database migrations when the worker starts.

@@ -396,7 +396,7 @@ async fn a_payment_after_the_deadline_is_refused_by_the_real_clock_and_recorded_
 /// Closes `id` through the one close path, as the sweeper would; how many it closed.
 async fn close_now(db: &mut tokio_postgres::Client, id: orders::OrderId) -> usize {
     let tx = db.transaction().await.unwrap();
-    let report = lapse::close::close_due(
+    let mut report = lapse::close::close_due(
         &tx,
         &[lapse::close::Candidate {
             order_id: id.0,
@@ -408,7 +408,6 @@ async fn close_now(db: &mut tokio_postgres::Client, id: orders::OrderId) -> usiz
     )
     .await
     .unwrap();
-    let mut report = report;
     lapse::close::release_closed(&tx, &mut report, lapse::close::StockRelease::default())
         .await
         .unwrap();
