@@ -63,22 +63,18 @@ impl Closed {
 }
 
 /// The stock-release outbox row of each order in the CTE `$source` (column `id`), with
-/// the order's lines: the event the releaser consumes. The close writes it, and the
-/// reconciler writes the same row again for a release lost after its close.
+/// the order's lines: the event the releaser consumes. The reconciler writes it for a
+/// release lost after its close; the close writes the same row (`lapse_close_orders`
+/// and `lapse_release_closed_stock`, migration V16, which reach the lines by key).
 macro_rules! release_outbox_insert {
     ($source:literal) => {
-        $crate::close::release_outbox_insert!($source, "")
-    };
-    ($source:literal, $filter:literal) => {
         concat!(
             "INSERT INTO outbox (kind, order_id, payload)
     SELECT 'stock.release', c.id, jsonb_build_object('order_id', c.id, 'lines',
            jsonb_agg(jsonb_build_object('sku', l.sku, 'qty', l.qty)))
       FROM ",
             $source,
-            " c JOIN order_lines l ON l.order_id = c.id ",
-            $filter,
-            "
+            " c JOIN order_lines l ON l.order_id = c.id
      GROUP BY c.id"
         )
     };
@@ -86,8 +82,9 @@ macro_rules! release_outbox_insert {
 pub(crate) use release_outbox_insert;
 
 /// The CTE `restocked`: returns to `available` what the CTE `released` (the new
-/// `release` ledger rows, `sku, qty`) took from `reserved`, one UPDATE per SKU. Shared
-/// by the release in the close and the stock releaser.
+/// `release` ledger rows, `sku, qty`) took from `reserved`, one UPDATE per SKU: the
+/// stock releaser's; the release in the close does the same
+/// (`lapse_release_closed_stock`, migration V16).
 macro_rules! restock_cte {
     () => {
         "restocked AS (
@@ -101,9 +98,11 @@ macro_rules! restock_cte {
 }
 pub(crate) use restock_cte;
 
-/// Locks what it closes with `SKIP LOCKED`: a row someone else holds (an application
-/// inside `SELECT ... FOR UPDATE` around a slow payment call) is left alone and
-/// reported as locked, instead of making the whole batch wait for it. The lock is
+/// The close, `lapse_close_orders` (migration V16: a function, so that each server
+/// connection plans it once, not at every close), locks what it closes with `SKIP
+/// LOCKED`: a row someone else holds (an application inside `SELECT ... FOR UPDATE`
+/// around a slow payment call) is left alone and reported as locked, instead of making
+/// the whole batch wait for it. The lock is
 /// `FOR NO KEY UPDATE`, the one the UPDATE itself takes: it does not conflict with the
 /// key-share locks of inserts into tables that reference `orders`, so an application
 /// writing such a row (an audit entry, a shipment) does not defer the close.
@@ -118,50 +117,8 @@ pub(crate) use restock_cte;
 /// predicate of the partial index `orders_unpaid_by_deadline`: with stale statistics the
 /// planner scanned that index for every overdue order, twice per batch. Joined directly
 /// to the batch, the same conditions made it scan the whole table once per batch row.
-const CLOSE_SQL: &str = concat!(
-    "
-WITH due AS (
-    SELECT DISTINCT ON (id) id, v, hops
-      FROM unnest($1::bigint[], $2::int[], $3::int[]) AS d(id, v, hops)
-),
-eligible AS (
-    SELECT o.id FROM due d CROSS JOIN LATERAL (
-        SELECT o.id FROM orders o
-         WHERE o.id = d.id AND o.paid_at IS NULL AND o.closed_at IS NULL
-           AND o.deadline_version = d.v AND o.expire_at <= now()
-        OFFSET 0) o
-),
-locked AS (
-    SELECT o.id, d.v, d.hops FROM due d CROSS JOIN LATERAL (
-        SELECT o.id FROM orders o
-         WHERE o.id = d.id AND o.paid_at IS NULL AND o.closed_at IS NULL
-           AND o.deadline_version = d.v AND o.expire_at <= now()
-        OFFSET 0 FOR NO KEY UPDATE OF o SKIP LOCKED) o
-),
-closed AS (
-    UPDATE orders o
-       SET status = 'CLOSED', closed_at = clock_timestamp(), close_reason = $4
-      FROM locked l
-     WHERE o.id = ANY(ARRAY(SELECT id FROM locked)) AND o.id = l.id
-       AND o.paid_at IS NULL AND o.closed_at IS NULL
-       AND o.deadline_version = l.v AND o.expire_at <= now()
-    RETURNING o.id, o.expire_at, o.closed_at, l.hops
-),
-release AS (
-    ",
-    release_outbox_insert!("closed", "WHERE $5"),
-    "
-),
-events AS (
-    INSERT INTO order_events (order_id, event, detail)
-    SELECT id, 'closed', jsonb_build_object('by', $4::text, 'hops', hops,
-           'late_ms', round(extract(epoch FROM closed_at - expire_at) * 1000, 3))
-      FROM closed
-)
-SELECT id, expire_at, closed_at FROM closed
-UNION ALL
-SELECT id, NULL, NULL FROM eligible WHERE id NOT IN (SELECT id FROM locked)"
-);
+const CLOSE_SQL: &str = "SELECT r_id AS id, r_expire_at AS expire_at, r_closed_at AS closed_at
+   FROM lapse_close_orders($1, $2, $3, $4, $5)";
 
 /// Applies the stock release of what `report` closed in `tx` under
 /// [`StockRelease::InClose`] (nothing to do under `Event`: the close wrote the outbox

@@ -38,60 +38,6 @@ pub struct Released {
     pub deferred: i64,
 }
 
-// `lines` and `held` are MATERIALIZED so each runs once: the stock rows are locked
-// once, in SKU order, before anything is written. An order is deferred when one of its
-// SKUs has a stock row this statement could not lock; a SKU without a stock row is
-// released as the releaser releases it (a ledger row, nothing to restock).
-const RELEASE_IN_CLOSE_SQL: &str = concat!(
-    "
-WITH lines AS MATERIALIZED (
-    SELECT l.order_id, l.sku, l.qty
-      FROM unnest($1::bigint[]) AS c(id) JOIN order_lines l ON l.order_id = c.id
-),
-held AS MATERIALIZED (
-    SELECT s.sku FROM stock s WHERE s.sku IN (SELECT sku FROM lines)
-     ORDER BY s.sku FOR NO KEY UPDATE SKIP LOCKED
-),
-deferred AS MATERIALIZED (
-    SELECT DISTINCT l.order_id AS id FROM lines l JOIN stock s ON s.sku = l.sku
-     WHERE l.sku NOT IN (SELECT sku FROM held)
-),
-in_place AS (
-    SELECT c.id FROM unnest($1::bigint[]) AS c(id) WHERE c.id NOT IN (SELECT id FROM deferred)
-),
-released AS (
-    INSERT INTO stock_ledger (order_id, sku, kind, qty)
-    SELECT l.order_id, l.sku, 'release', l.qty FROM lines l
-     WHERE l.order_id IN (SELECT id FROM in_place)
-    ON CONFLICT DO NOTHING
-    RETURNING sku, qty
-),
-",
-    super::restock_cte!(),
-    "
-stamped AS (
-    UPDATE orders o SET released_at = clock_timestamp()
-      FROM in_place i WHERE o.id = i.id AND o.status = 'CLOSED'
-    RETURNING 1
-),
-outboxed AS (
-    ",
-    super::release_outbox_insert!("deferred"),
-    "
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM released) AS applied, (SELECT count(*) FROM restocked) AS restocked,
-       (SELECT count(*) FROM stamped) AS stamped, (SELECT count(*) FROM deferred) AS deferred,
-       (SELECT count(*) FROM outboxed) AS outboxed"
-);
-
-/// The stock-release outbox rows of every order in `$1` (the event path).
-const DEFER_ALL_SQL: &str = concat!(
-    "WITH deferred AS (SELECT unnest($1::bigint[]) AS id)
-",
-    super::release_outbox_insert!("deferred")
-);
-
 /// Releases the stock of `closed` (orders `tx` just closed and still holds) in `tx`,
 /// or defers an order to the event path when one of its stock rows is locked.
 ///
@@ -103,59 +49,29 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
     if closed.is_empty() {
         return Ok(Released::default());
     }
-    // The release statement's table locks (DDL, VACUUM FULL on stock, the ledger, the
-    // order lines or the outbox) are waited for briefly; the close's own lock timeout,
-    // read here, is restored after it (no custom setting: some servers refuse those).
-    let setup = tx
-        .simple_query(&format!(
-            "SAVEPOINT lapse_release; SELECT current_setting('lock_timeout');
-             SET LOCAL lock_timeout = '{}ms'",
-            TABLE_LOCK_WAIT.as_millis()
-        ))
-        .await?;
-    let restore = setup
-        .iter()
-        .find_map(|m| match m {
-            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
-            _ => None,
-        })
-        .filter(|v| v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.'))
-        // Unreadable (never seen): database.lock_timeout's default rather than none.
-        .unwrap_or_else(|| "5s".to_string());
-    let attempt = tx
+    // `lapse_release_closed_stock` (migration V16): the release statement in a
+    // subtransaction, its table locks waited for at most TABLE_LOCK_WAIT, the close's
+    // own lock timeout restored after it. A function, so that each server connection
+    // plans the statement once rather than at every close.
+    let row = tx
         .query_typed_one(
-            RELEASE_IN_CLOSE_SQL,
-            &[(&closed, tokio_postgres::types::Type::INT8_ARRAY)],
+            "SELECT applied, deferred, refused FROM lapse_release_closed_stock($1, $2)",
+            &[
+                (&closed, tokio_postgres::types::Type::INT8_ARRAY),
+                (
+                    &format!("{}ms", TABLE_LOCK_WAIT.as_millis()),
+                    tokio_postgres::types::Type::TEXT,
+                ),
+            ],
         )
-        .await;
-    match attempt {
-        Ok(row) => {
-            tx.batch_execute(&format!(
-                "RELEASE SAVEPOINT lapse_release; SET LOCAL lock_timeout = '{restore}'"
-            ))
-            .await?;
-            Ok(Released {
-                applied: column(&row, "applied")?,
-                deferred: column(&row, "deferred")?,
-            })
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, orders = closed.len(),
-                "close: the stock release in the close's transaction failed; the batch's releases go to the stock releaser");
-            // Only what the database refused goes on; a lost connection fails here. The
-            // rollback also undoes the shorter lock timeout.
-            tx.batch_execute("ROLLBACK TO SAVEPOINT lapse_release")
-                .await?;
-            let deferred = tx
-                .execute_typed(
-                    DEFER_ALL_SQL,
-                    &[(&closed, tokio_postgres::types::Type::INT8_ARRAY)],
-                )
-                .await?;
-            Ok(Released {
-                applied: 0,
-                deferred: i64::try_from(deferred).unwrap_or(i64::MAX),
-            })
-        }
+        .await?;
+    let released = Released {
+        applied: column(&row, "applied")?,
+        deferred: column(&row, "deferred")?,
+    };
+    if let Some(refused) = column::<Option<String>>(&row, "refused")? {
+        tracing::warn!(error = %refused, orders = closed.len(),
+            "close: the stock release in the close's transaction failed; the batch's releases go to the stock releaser");
     }
+    Ok(released)
 }

@@ -267,3 +267,131 @@ async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
     drop(db);
     env.cleanup().await;
 }
+
+/// Rows of the close's and the release's tables read by sequential scans, and index
+/// entries read from `orders`' partial indexes, so far.
+async fn scanned_rows(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT (SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
+                  WHERE relname IN ('orders', 'order_lines', 'stock', 'stock_ledger', 'outbox'))
+              + (SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
+                  WHERE relname = 'orders' AND indexrelname <> 'orders_pkey')",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Rows of `orders` updated so far.
+async fn updates_of_orders(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT coalesce(n_tup_upd, 0) FROM pg_stat_user_tables WHERE relname = 'orders'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// The close and the release in the close are functions whose plans a connection keeps
+/// (migration V16): after a few calls the server runs their generic plans, made
+/// without the batch's size. Those must reach the batch's rows by key too: a join the
+/// planner turned into a scan of `order_lines` read the whole table at every close.
+#[tokio::test]
+async fn the_kept_plans_of_the_close_and_its_release_read_only_their_batch() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let db = never_analyzed(&env).await;
+    for table in ["order_lines", "stock", "stock_ledger", "outbox"] {
+        db.batch_execute(&format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        ))
+        .await
+        .unwrap();
+    }
+    overdue(&db, BACKLOG).await;
+    // A shop's many other SKUs: a scan of `stock` would show too.
+    db.batch_execute(
+        "INSERT INTO stock (sku, available) SELECT 'other-' || g, 1 FROM generate_series(1, 2000) g",
+    )
+    .await
+    .unwrap();
+    let ids = newest_where(&db, "status = 'UNPAID'", 60).await;
+    let mut closer = env.db().await;
+    // Generic plans from the first call, whatever the planner would choose by itself
+    // (the functions force theirs too): the plans this test is about.
+    closer
+        .batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    db.batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = scanned_rows(&db).await;
+    let updates_before = updates_of_orders(&db).await;
+    // 20 batches of 3 on one connection, the last ones with the stock release sent as
+    // an event (the close's own outbox insert).
+    for (i, batch) in ids.chunks(3).enumerate() {
+        let release = if i < 14 {
+            StockRelease::InClose
+        } else {
+            StockRelease::Event
+        };
+        let candidates: Vec<Candidate> = batch
+            .iter()
+            .map(|&order_id| Candidate {
+                order_id,
+                deadline_version: 1,
+                hops: 1,
+            })
+            .collect();
+        let tx = closer.transaction().await.unwrap();
+        let mut report = close_due(&tx, &candidates, CloseReason::Timeout, release)
+            .await
+            .unwrap();
+        lapse::close::release_closed(&tx, &mut report, release)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(report.closed.len(), batch.len());
+        if release == StockRelease::InClose {
+            assert_eq!(report.released.applied, batch.len() as i64);
+        }
+    }
+    closer
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    // The closing connection's counters have arrived when its updates have (60
+    // closes, 42 stamps).
+    eventually(
+        Duration::from_secs(20),
+        "the closes' counters reported",
+        || async { (updates_of_orders(&db).await >= updates_before + 102).then_some(()) },
+    )
+    .await;
+    let read = scanned_rows(&db).await - before;
+    assert!(
+        read < BACKLOG / 10,
+        "20 close transactions of 3 orders read {read} rows by scans, beside a backlog of {BACKLOG}"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM orders WHERE released_at IS NOT NULL"
+        )
+        .await,
+        42
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE kind = 'stock.release'"
+        )
+        .await,
+        18
+    );
+    drop((db, closer));
+    env.cleanup().await;
+}
