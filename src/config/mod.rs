@@ -259,10 +259,11 @@ pub struct RelayConfig {
     pub listen_url: Option<ListenUrls>,
 }
 
-/// `relay.gather` unless set: chosen by measurement (docs/benchmarks.md, "Packs:
-/// before and after").
+/// `relay.gather` unless set: `packs.window`'s default, chosen by measurement
+/// (docs/benchmarks.md, "Packs: before and after"): longer rounds meet the window,
+/// which parts what they gather anyway.
 fn default_gather() -> Duration {
-    Duration::from_millis(100)
+    Duration::from_millis(250)
 }
 
 /// The longest `relay.gather`: an intent that waits is due more than 2 seconds later
