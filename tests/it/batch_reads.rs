@@ -270,29 +270,15 @@ async fn a_repeated_release_keeps_the_first_stamp_and_releases_once() {
 
 /// Rows of the close's and the release's tables read by sequential scans, and index
 /// entries read from `orders`' partial indexes, so far.
-async fn scanned_rows(db: &tokio_postgres::Client) -> i64 {
-    db.query_one(
-        "SELECT (SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
-                  WHERE relname IN ('orders', 'order_lines', 'stock', 'stock_ledger', 'outbox'))
-              + (SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
-                  WHERE relname = 'orders' AND indexrelname <> 'orders_pkey')",
-        &[],
-    )
-    .await
-    .unwrap()
-    .get(0)
-}
+const SCANNED_ROWS: &str =
+    "SELECT (SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
+              WHERE relname IN ('orders', 'order_lines', 'stock', 'stock_ledger', 'outbox'))
+          + (SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes
+              WHERE relname = 'orders' AND indexrelname <> 'orders_pkey')";
 
 /// Rows of `orders` updated so far.
-async fn updates_of_orders(db: &tokio_postgres::Client) -> i64 {
-    db.query_one(
-        "SELECT coalesce(n_tup_upd, 0) FROM pg_stat_user_tables WHERE relname = 'orders'",
-        &[],
-    )
-    .await
-    .unwrap()
-    .get(0)
-}
+const UPDATES_OF_ORDERS: &str =
+    "SELECT coalesce(n_tup_upd, 0) FROM pg_stat_user_tables WHERE relname = 'orders'";
 
 /// The close and the release in the close are functions whose plans a connection keeps
 /// (migration V16): after a few calls the server runs their generic plans, made
@@ -328,8 +314,8 @@ async fn the_kept_plans_of_the_close_and_its_release_read_only_their_batch() {
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let before = scanned_rows(&db).await;
-    let updates_before = updates_of_orders(&db).await;
+    let before = count(&db, SCANNED_ROWS).await;
+    let updates_before = count(&db, UPDATES_OF_ORDERS).await;
     // 20 batches of 3 on one connection, the last ones with the stock release sent as
     // an event (the close's own outbox insert).
     for (i, batch) in ids.chunks(3).enumerate() {
@@ -368,10 +354,10 @@ async fn the_kept_plans_of_the_close_and_its_release_read_only_their_batch() {
     eventually(
         Duration::from_secs(20),
         "the closes' counters reported",
-        || async { (updates_of_orders(&db).await >= updates_before + 102).then_some(()) },
+        || async { (count(&db, UPDATES_OF_ORDERS).await >= updates_before + 102).then_some(()) },
     )
     .await;
-    let read = scanned_rows(&db).await - before;
+    let read = count(&db, SCANNED_ROWS).await - before;
     assert!(
         read < BACKLOG / 10,
         "20 close transactions of 3 orders read {read} rows by scans, beside a backlog of {BACKLOG}"
