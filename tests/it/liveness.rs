@@ -176,8 +176,14 @@ async fn a_frozen_worker_gives_its_deliveries_back_and_the_healthy_one_closes_th
     const ORDERS: usize = 300;
     let env = TestEnv::with_database(&["1s", "5s"]).await;
     let mut db = env.db().await;
-    let frozen = worker(&env, &["--no-sweeper", "--no-relay"], &[], false);
-    let healthy = worker(&env, &["--no-sweeper"], &[], false);
+    // Small packs and no gathering: the orders, all due at once, travel as many
+    // deliveries, so both workers get a share (one gathered pack could go to either).
+    let small = [
+        ("LAPSE_PACKS__MAX_ENTRIES", "10"),
+        ("LAPSE_RELAY__GATHER", "0s"),
+    ];
+    let frozen = worker(&env, &["--no-sweeper", "--no-relay"], &small, false);
+    let healthy = worker(&env, &["--no-sweeper"], &small, false);
     let channel = env.conn.create_channel().await.unwrap();
     // Generous: two processes start beside other tests' private nodes.
     consumers_on_both_queues(&env, &channel, 2, Duration::from_secs(90)).await;
