@@ -79,6 +79,32 @@ pub enum RelayOutcome {
     },
 }
 
+/// Which rows a round takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Round {
+    /// Every row due, after waiting `waited` on purpose (gathering): that wait is not
+    /// counted as the relay's lag when a first tier is chosen.
+    All { waited: Duration },
+    /// Only what cannot wait (see [`URGENT_ONLY`]), while a gathering round is pending:
+    /// an event or an intent due soon leaves at once without taking the gathering
+    /// intents along, which would cut their packs short. `waited` as for `All`: an
+    /// intent that waited for the gathering and is now due within 2 s is among them.
+    Urgent { waited: Duration },
+}
+
+/// The claim's extra condition in an urgent round: everything but an intent (a
+/// timeout or a kind's deadline) due more than 2 seconds from now, the test of the
+/// outbox's wake-up (migration V15) made at the round's own clock. A row whose
+/// deadline cannot be read counts as urgent, as there.
+const URGENT_ONLY: &str = r#"
+                        AND NOT (kind IN ('timeout', 'deadline')
+                                 AND coalesce((payload->>'expire_at')
+                                     ~ '^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}[.][0-9]{3}Z$'
+                                     AND (payload->>'expire_at') COLLATE "C"
+                                         > to_char((now() + interval '2 seconds') AT TIME ZONE 'UTC',
+                                                   'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"') COLLATE "C",
+                                     false))"#;
+
 #[derive(Clone)]
 pub struct Relay {
     pub pool: Pool,
@@ -135,24 +161,36 @@ impl Relay {
         conn: &Connection,
         publisher: &Publisher,
     ) -> Result<RelayOutcome, RelayError> {
-        self.round(conn, publisher, Duration::ZERO).await
+        self.round(
+            conn,
+            publisher,
+            Round::All {
+                waited: Duration::ZERO,
+            },
+        )
+        .await
     }
 
-    /// [`Relay::run_once`] after waiting `waited` on purpose (gathering): that wait
-    /// is not counted as the relay's lag when a first tier is chosen.
+    /// One round of `kind` (see [`Round`]).
     async fn round(
         &self,
         conn: &Connection,
         publisher: &Publisher,
-        waited: Duration,
+        kind: Round,
     ) -> Result<RelayOutcome, RelayError> {
+        let (waited, filter) = match kind {
+            Round::All { waited } => (waited, ""),
+            Round::Urgent { waited } => (waited, URGENT_ONLY),
+        };
         let mut client = self.pool.get().await?;
         let tx = crate::db::begin(&mut client, self.pool.limits()).await?;
         let rows = tx
             .query_typed(
-                "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
-                  WHERE not_before <= now()
-                  ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                &format!(
+                    "SELECT id, kind, order_id, payload, now() AS db_now, created_at, attempts FROM outbox
+                      WHERE not_before <= now(){filter}
+                      ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED"
+                ),
                 &[(&self.batch_size, tokio_postgres::types::Type::INT8)],
             )
             .await?;
@@ -166,10 +204,12 @@ impl Relay {
             Vec::new()
         } else {
             tx.query_typed(
-                "SELECT id, kind, deadline_id AS order_id, payload, now() AS db_now, created_at, attempts
-                   FROM lapse.kind_outbox
-                  WHERE not_before <= now()
-                  ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                &format!(
+                    "SELECT id, kind, deadline_id AS order_id, payload, now() AS db_now, created_at, attempts
+                       FROM lapse.kind_outbox
+                      WHERE not_before <= now(){filter}
+                      ORDER BY not_before, id LIMIT $1 FOR UPDATE SKIP LOCKED"
+                ),
                 &[(&kind_limit, tokio_postgres::types::Type::INT8)],
             )
             .await?

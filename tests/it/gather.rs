@@ -196,3 +196,76 @@ async fn far_intents_written_apart_leave_as_one_pack_and_close_on_time() {
     assert_eq!(late, 0, "gathering made a deadline late");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn an_urgent_row_leaves_at_once_without_cutting_a_gathering_short() {
+    let env = TestEnv::with_database(&["5s"]).await;
+    let mut db = env.db().await;
+    let mut config = env.config();
+    config.relay.gather = Duration::from_secs(1);
+    config.relay.poll_interval = Duration::from_secs(30);
+    config.packs.window = Duration::from_secs(5);
+    let worker = env.start(&config).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Five far intents (a gathering round is now pending), a near one (urgent), five
+    // more far ones: the near one must leave at once, and alone, so that the ten far
+    // ones still leave together when the gathering ends.
+    create_orders(&mut db, &[Duration::from_secs(7); 5], &[]).await;
+    let near = create_orders(&mut db, &[Duration::from_millis(300)], &[]).await;
+    // The urgent round took the near intent and left the far ones gathering.
+    let left = eventually(
+        Duration::from_secs(5),
+        "the near intent published",
+        || async {
+            let left = count(&db, "SELECT count(*) FROM outbox").await;
+            (left < 6).then_some(left)
+        },
+    )
+    .await;
+    assert_eq!(
+        left, 5,
+        "far intents still gathering after the urgent round"
+    );
+    create_orders(&mut db, &[Duration::from_secs(7); 5], &[]).await;
+    eventually(Duration::from_secs(4), "the intents published", || async {
+        (count(&db, "SELECT count(*) FROM outbox").await == 0).then_some(())
+    })
+    .await;
+    let wait_queue = env
+        .names()
+        .wait_queue(lapse::tier::Tier::parse("5s").unwrap());
+    let waiting = crate::queues::depth(&env.conn, &wait_queue)
+        .await
+        .expect("the 5s wait queue");
+    // One pack; two if the second five were written after the gathering round ran
+    // (a slow machine): the first five left together either way, not with the near one.
+    assert!(
+        (1..=2).contains(&waiting),
+        "{waiting} messages for the 10 far intents in the wait queue"
+    );
+    eventually(Duration::from_secs(5), "the near order closed", || async {
+        let closed = count(
+            &db,
+            &format!(
+                "SELECT count(*) FROM orders WHERE id = {} AND status = 'CLOSED'",
+                near[0].0
+            ),
+        )
+        .await;
+        (closed == 1).then_some(())
+    })
+    .await;
+    let late_ms = count(
+        &db,
+        &format!(
+            "SELECT (extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders WHERE id = {}",
+            near[0].0
+        ),
+    )
+    .await;
+    assert!(late_ms < 500, "the near order closed {late_ms} ms late");
+    wait_closed(&db, 11, Duration::from_secs(30)).await;
+    worker.stop().await;
+    assert_never_early(&db).await;
+    env.cleanup().await;
+}

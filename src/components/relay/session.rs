@@ -2,10 +2,11 @@
 //! the outbox's notifications (at once, or within `relay.gather` for intents due
 //! later) with a polling fallback.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::broker::{self, BrokerError, Endpoint};
@@ -16,7 +17,7 @@ use crate::runtime::health::Health;
 use crate::runtime::supervisor::Fatal;
 
 use super::notifications::{self, Wakes};
-use super::{Relay, RelayError, RelayOutcome, backlog};
+use super::{Relay, RelayError, RelayOutcome, Round, backlog};
 
 impl Relay {
     /// Runs rounds until `token` is cancelled, reconnecting to the broker as needed.
@@ -29,6 +30,9 @@ impl Relay {
         token: CancellationToken,
     ) -> Result<(), Fatal> {
         let wake = Arc::new(Wakes::default());
+        // A gathering round pending when a session ended (when it began): the next
+        // session's first round counts that wait as waited, not as lag.
+        let carried: Mutex<Option<Instant>> = Mutex::new(None);
         // The LISTEN connection and the backlog gauge belong to this instance: they
         // stop with `token`, and dropping the set (the supervisor abandoning this
         // instance at the drain limit) aborts them.
@@ -46,7 +50,7 @@ impl Relay {
             token.clone(),
         ));
         let result = crate::runtime::backoff::reconnecting(self.component, &health, &token, || {
-            self.session(&broker, &wake, poll, &health, &token)
+            self.session(&broker, &wake, &carried, poll, &health, &token)
         })
         .await;
         helpers.shutdown().await;
@@ -59,6 +63,7 @@ impl Relay {
         &self,
         broker: &Endpoint,
         wake: &Wakes,
+        carried: &Mutex<Option<Instant>>,
         poll: Duration,
         health: &Health,
         token: &CancellationToken,
@@ -74,7 +79,12 @@ impl Relay {
         drop(busy);
         health.up(self.component);
         let mut backoff = Backoff::new();
-        let mut waited = Duration::ZERO;
+        // When the pending gathering round began (a `gather` wake-up), if one is pending.
+        let mut gathering: Option<Instant> = None;
+        // A session starts with a round of everything.
+        let mut next = Round::All {
+            waited: since(take(carried)),
+        };
         let result = loop {
             if token.is_cancelled() {
                 break Ok(());
@@ -89,13 +99,21 @@ impl Relay {
                 backoff.sleep(token).await;
                 continue;
             }
+            // The gathering round is due: it goes first, whatever else is going on
+            // (a run of full urgent rounds included).
+            if let Some(began) = gathering.filter(|b| b.elapsed() >= self.gather) {
+                next = Round::All {
+                    waited: began.elapsed(),
+                };
+                gathering = None;
+            }
             let busy = health.busy(self.component);
-            // A full round goes on at once with the same `waited`: its rows waited too.
-            let round = self.round(&conn, &publisher, waited).await;
+            let round = self.round(&conn, &publisher, next).await;
             drop(busy);
             match round {
                 // Refused and returned rows were rescheduled: no reason to slow down
-                // the rows behind them.
+                // the rows behind them. A full round goes on at once, of the same kind
+                // (its rows waited too).
                 Ok(RelayOutcome::Published {
                     sent,
                     refused,
@@ -103,45 +121,76 @@ impl Relay {
                 }) => {
                     backoff.reset();
                     if sent + refused + returned < self.batch_size as usize {
-                        waited = wait(wake, poll, self.gather, token).await;
+                        next = wait(wake, poll, self.gather, &mut gathering, token).await;
                     }
                 }
-                Ok(RelayOutcome::Idle) => waited = wait(wake, poll, self.gather, token).await,
+                Ok(RelayOutcome::Idle) => {
+                    next = wait(wake, poll, self.gather, &mut gathering, token).await
+                }
                 Err(RelayError::Broker(e)) => break Err(e),
                 Err(RelayError::Db(e)) => {
-                    waited = Duration::ZERO;
+                    // The next round takes everything: whatever waited, waited long enough.
+                    next = Round::All {
+                        waited: since(gathering.take()),
+                    };
                     tracing::warn!(component = self.component, error = %e, "relay: database error; retrying");
                     backoff.sleep(token).await;
                 }
             }
         };
+        if let Ok(mut carried) = carried.lock() {
+            *carried = gathering;
+        }
         broker::close_quietly(&conn, "relay stopping").await;
         result
     }
 }
 
-/// Until the next round is due: at once on an urgent wake-up, within `gather` of a
-/// wake-up for intents due later (more of their route meet in the outbox meanwhile,
-/// and every row due by then leaves in that round), at the poll interval otherwise.
-/// Returns how long it waited on purpose (gathering).
+/// What `carried` holds, leaving `None`.
+fn take(carried: &Mutex<Option<Instant>>) -> Option<Instant> {
+    carried.lock().ok().and_then(|mut c| c.take())
+}
+
+/// How long ago a gathering began (none: nothing waited on purpose).
+fn since(began: Option<Instant>) -> Duration {
+    began.map_or(Duration::ZERO, |b| b.elapsed())
+}
+
+/// Until the next round is due, and which rows it takes: everything at once on an
+/// urgent wake-up; everything within `gather` of a wake-up for intents due later (more
+/// of their route meet in the outbox meanwhile, and every row due by then leaves in
+/// that round); everything at the poll interval otherwise. An urgent wake-up while a
+/// gathering round is pending (`gathering`: when it began) is answered at once with a
+/// round of the urgent rows only, and the gathering round stays due when it was.
 async fn wait(
     wake: &Wakes,
     poll: Duration,
     gather: Duration,
+    gathering: &mut Option<Instant>,
     token: &CancellationToken,
-) -> Duration {
-    tokio::select! {
-        _ = wake.now.notified() => Duration::ZERO,
-        _ = wake.gather.notified() => {
-            let since = tokio::time::Instant::now();
+) -> Round {
+    let began = match *gathering {
+        Some(began) => began,
+        None => {
             tokio::select! {
-                _ = wake.now.notified() => {}
-                _ = tokio::time::sleep(gather) => {}
-                _ = token.cancelled() => {}
+                _ = wake.now.notified() => return Round::All { waited: Duration::ZERO },
+                _ = wake.gather.notified() => {}
+                _ = tokio::time::sleep(poll) => return Round::All { waited: Duration::ZERO },
+                _ = token.cancelled() => return Round::All { waited: Duration::ZERO },
             }
-            since.elapsed()
+            Instant::now()
         }
-        _ = tokio::time::sleep(poll) => Duration::ZERO,
-        _ = token.cancelled() => Duration::ZERO,
+    };
+    *gathering = Some(began);
+    tokio::select! {
+        // Due first: an urgent wake-up stored meanwhile must not put it off.
+        biased;
+        _ = tokio::time::sleep_until(began + gather) => {}
+        _ = token.cancelled() => {}
+        _ = wake.now.notified() => return Round::Urgent { waited: began.elapsed() },
+    }
+    *gathering = None;
+    Round::All {
+        waited: began.elapsed(),
     }
 }
