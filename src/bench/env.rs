@@ -252,6 +252,13 @@ impl BenchEnv {
              INSERT INTO stock (sku, available) VALUES ('bench', 1000000000000)",
         )
         .await?;
+        db.execute(
+            "INSERT INTO stock (sku, available)
+             SELECT 'bench-' || lpad(g::text, 4, '0'), 1000000000000
+               FROM generate_series(0, $1::int - 1) g",
+            &[&(super::load::SKUS as i32)],
+        )
+        .await?;
         Ok(())
     }
 
