@@ -65,7 +65,7 @@ impl Closed {
 /// The stock-release outbox row of each order in the CTE `$source` (column `id`), with
 /// the order's lines: the event the releaser consumes. The reconciler writes it for a
 /// release lost after its close; the close writes the same row (`lapse_close_orders`
-/// and `lapse_release_closed_stock`, migration V16, which reach the lines by key).
+/// and `lapse_release_closed_stock`, migrations V16 and V17, which reach the lines by key).
 macro_rules! release_outbox_insert {
     ($source:literal) => {
         concat!(
@@ -98,7 +98,7 @@ macro_rules! restock_cte {
 }
 pub(crate) use restock_cte;
 
-/// The close, `lapse_close_orders` (migration V16: a function, so that each server
+/// The close, `lapse_close_orders` (migrations V16 and V17: a function, so that each server
 /// connection plans it once, not at every close), locks what it closes with `SKIP
 /// LOCKED`: a row someone else holds (an application inside `SELECT ... FOR UPDATE`
 /// around a slow payment call) is left alone and reported as locked, instead of making

@@ -22,6 +22,7 @@ mod hostile_deadlines;
 mod hostile_rows;
 mod installed;
 mod kinds;
+mod large_batches;
 mod leadership;
 mod legacy_rows;
 mod liveness;
