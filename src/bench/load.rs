@@ -20,11 +20,12 @@ use super::progress::Progress;
 /// Orders per statement, as an application batching a little would send them.
 pub const PER_STATEMENT: usize = 5;
 
-/// One line of stock per order, from the benchmark's own SKU (the scenarios that
-/// create orders in bulk: a burst, a backlog, pending deadlines).
+/// One line of stock per order, from the benchmark's own SKU (pending deadlines, which
+/// are never closed while measured).
 pub const LINES: &str = r#"[{"sku": "bench", "qty": 1}]"#;
 
-/// The steady generator's products: `bench-0000` to `bench-0999`, each stocked.
+/// The products of the steady generator, a burst and a backlog: `bench-0000` to
+/// `bench-0999`, each stocked.
 pub const SKUS: usize = 1000;
 
 /// The SKU of the steady generator's `n`th product (zero-padded: text order is
@@ -177,21 +178,24 @@ impl Steady {
 
 /// Creates `n` orders sharing the absolute deadline `at` (chunks of 5,000 per
 /// statement), or, with `at` `None`, each chunk due 2 s before its statement began
-/// (already overdue, within what `lapse_create_order` accepts).
+/// (already overdue, within what `lapse_create_order` accepts). Each takes one unit
+/// of the steady generator's products in turn (see [`sku`]).
 pub async fn create_at(
     db: &Client,
     n: u64,
     at: Option<chrono::DateTime<chrono::Utc>>,
     progress: &Progress,
 ) -> anyhow::Result<()> {
-    let lines = serde_json::from_str::<serde_json::Value>(LINES)?;
+    let skus = SKUS as i64;
     let mut left = n;
     while left > 0 {
         let chunk = left.min(5_000) as i64;
         db.execute(
-            "SELECT count(lapse_create_order(coalesce($1, now() - interval '2 s'), $2::jsonb))
-               FROM generate_series(1, $3::bigint)",
-            &[&at, &lines, &chunk],
+            "SELECT count(lapse_create_order(coalesce($1, now() - interval '2 s'),
+                          jsonb_build_array(jsonb_build_object(
+                              'sku', 'bench-' || lpad((g % $3)::text, 4, '0'), 'qty', 1))))
+               FROM generate_series(1, $2::bigint) g",
+            &[&at, &chunk, &skus],
         )
         .await?;
         left -= chunk as u64;
