@@ -4,29 +4,20 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use lapse::orders::{self, Deadline};
 use tokio::sync::mpsc;
 
 use crate::helpers::{
-    TestEnv, assert_never_early, count, create_orders, eventually, on_lapse_path, wait_closed,
+    TestEnv, assert_never_early, connect_hearing, count, create_orders, eventually, wait_closed,
 };
 
 /// A LISTEN connection on the outbox channel: the payloads it hears.
 async fn listen(env: &TestEnv) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<String>) {
-    let (client, mut connection) =
-        tokio_postgres::connect(&on_lapse_path(&env.database_url()), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(m)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = m {
-                let _ = tx.send(n.payload().to_string());
-            }
-        }
-    });
+    let (client, rx) = connect_hearing(env, |m| match m {
+        tokio_postgres::AsyncMessage::Notification(n) => Some(n.payload().to_string()),
+        _ => None,
+    })
+    .await;
     client
         .batch_execute(&format!(
             "LISTEN {}",
@@ -42,6 +33,22 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
         .await
         .expect("a notification")
         .unwrap()
+}
+
+/// How late order `id` closed, in milliseconds, once it has (within `limit`).
+async fn lateness_ms(db: &tokio_postgres::Client, id: i64, limit: Duration) -> i64 {
+    let closed = format!("SELECT count(*) FROM orders WHERE id = {id} AND status = 'CLOSED'");
+    eventually(limit, "the near order closed", || async {
+        (count(db, &closed).await == 1).then_some(())
+    })
+    .await;
+    count(
+        db,
+        &format!(
+            "SELECT (extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders WHERE id = {id}"
+        ),
+    )
+    .await
 }
 
 #[tokio::test]
@@ -126,27 +133,8 @@ async fn a_deadline_due_soon_never_waits_for_gathering() {
     // arrives: the near one must not wait for it.
     create_orders(&mut db, &[Duration::from_secs(20)], &[]).await;
     let near = create_orders(&mut db, &[Duration::from_millis(200)], &[]).await;
-    eventually(Duration::from_secs(20), "the near order closed", || async {
-        let closed = count(
-            &db,
-            &format!(
-                "SELECT count(*) FROM orders WHERE id = {} AND status = 'CLOSED'",
-                near[0].0
-            ),
-        )
-        .await;
-        (closed == 1).then_some(())
-    })
-    .await;
     // Waiting for the gathering round would make it 800 ms late.
-    let late_ms = count(
-        &db,
-        &format!(
-            "SELECT (extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders WHERE id = {}",
-            near[0].0
-        ),
-    )
-    .await;
+    let late_ms = lateness_ms(&db, near[0].0, Duration::from_secs(20)).await;
     assert!(late_ms < 500, "closed {late_ms} ms late");
     worker.stop().await;
     assert_never_early(&db).await;
@@ -243,26 +231,7 @@ async fn an_urgent_row_leaves_at_once_without_cutting_a_gathering_short() {
         (1..=2).contains(&waiting),
         "{waiting} messages for the 10 far intents in the wait queue"
     );
-    eventually(Duration::from_secs(5), "the near order closed", || async {
-        let closed = count(
-            &db,
-            &format!(
-                "SELECT count(*) FROM orders WHERE id = {} AND status = 'CLOSED'",
-                near[0].0
-            ),
-        )
-        .await;
-        (closed == 1).then_some(())
-    })
-    .await;
-    let late_ms = count(
-        &db,
-        &format!(
-            "SELECT (extract(epoch FROM closed_at - expire_at) * 1000)::bigint FROM orders WHERE id = {}",
-            near[0].0
-        ),
-    )
-    .await;
+    let late_ms = lateness_ms(&db, near[0].0, Duration::from_secs(5)).await;
     assert!(late_ms < 500, "the near order closed {late_ms} ms late");
     wait_closed(&db, 11, Duration::from_secs(30)).await;
     worker.stop().await;

@@ -51,6 +51,32 @@ pub fn on_lapse_path(url: &str) -> String {
     format!("{url}{join}options=-c%20search_path%3Dlapse%2Cpublic")
 }
 
+/// A connection to the test's database (on lapse's search path), and what the server
+/// sends it unasked (notifications, notices) as `pick` reads it.
+pub async fn connect_hearing(
+    env: &TestEnv,
+    pick: fn(tokio_postgres::AsyncMessage) -> Option<String>,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut connection) =
+        tokio_postgres::connect(&on_lapse_path(&env.database_url()), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let Some(heard) = pick(m) {
+                let _ = tx.send(heard);
+            }
+        }
+    });
+    (client, rx)
+}
+
 /// A loopback port nobody listens on right now, for a server a test starts. Taken
 /// below the kernel's ephemeral range (32768 and up here, and by default on Linux), so
 /// the port cannot be handed to an outgoing connection between this check and the

@@ -4,30 +4,21 @@
 //! 999,000 rows thrown away for a batch of 1,000). The plans are read from the server
 //! itself (`auto_explain`, nested statements, as notices on the closing connection).
 
-use futures_util::StreamExt;
 use lapse::close::{Candidate, CloseReason, StockRelease, close_due};
 use tokio::sync::mpsc;
 
-use crate::helpers::{TestEnv, count, on_lapse_path};
+use crate::helpers::{TestEnv, connect_hearing, count};
 
 /// Orders in the one batch.
 const BATCH: i64 = 1_000;
 
 /// A connection whose notices (the plans `auto_explain` logs) arrive on the receiver.
 async fn explaining(env: &TestEnv) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<String>) {
-    let (client, mut connection) =
-        tokio_postgres::connect(&on_lapse_path(&env.database_url()), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(m)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notice(n) = m {
-                let _ = tx.send(n.message().to_string());
-            }
-        }
-    });
+    let (client, rx) = connect_hearing(env, |m| match m {
+        tokio_postgres::AsyncMessage::Notice(n) => Some(n.message().to_string()),
+        _ => None,
+    })
+    .await;
     client
         .batch_execute(
             "LOAD 'auto_explain';
