@@ -27,7 +27,9 @@ fn one_line() -> Vec<Line> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_acknowledged() {
-    let env = TestEnv::with_database(&["1s", "5s"]).await;
+    // A 10 s tier: the alarm (two `rabbitmqctl` calls, seconds each on a loaded
+    // machine) must be up before the orders below come due.
+    let env = TestEnv::with_database(&["1s", "10s"]).await;
     let rabbit = tokio::task::block_in_place(PrivateRabbit::start);
     let url = Secret::new(rabbit.amqp_url());
     let conn = lapse::amqp::broker::connect(&url, "lapse test")
@@ -56,18 +58,18 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
     let outbox_empty = || async {
         (count(&env.db().await, "SELECT count(*) FROM outbox").await == 0).then_some(())
     };
-    // Orders that need re-delays (publishes) while the alarm lasts: due in 16 s, they
-    // hop 5s, 5s, 5s, 1s — their first arrival falls inside the alarm.
-    create_orders(&mut db, &[Duration::from_secs(16); 10], &one_line()).await;
+    // Orders that need re-delays (publishes) while the alarm lasts: due in 21 s, they
+    // hop 10s, 10s, 1s — their first arrival falls inside the alarm.
+    create_orders(&mut db, &[Duration::from_secs(21); 10], &one_line()).await;
     eventually(
         Duration::from_secs(20),
         "long intents relayed",
         outbox_empty,
     )
     .await;
-    // Orders that take one 5 s hop and arrive due during the alarm: no publish needed.
+    // Orders that take one 10 s hop and arrive due during the alarm: no publish needed.
     let due: Vec<Duration> = (0..40u64)
-        .map(|i| Duration::from_millis(5_000 + i))
+        .map(|i| Duration::from_millis(10_000 + i))
         .collect();
     create_orders(&mut db, &due, &one_line()).await;
     eventually(
@@ -78,6 +80,11 @@ async fn a_memory_alarm_blocks_publishes_but_due_orders_are_still_closed_and_ack
     .await;
 
     tokio::task::block_in_place(|| rabbit.raise_memory_alarm());
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM orders WHERE status = 'CLOSED'").await,
+        0,
+        "the alarm came up after the orders were due: this machine is too slow for the test"
+    );
     let due_queue = env.names().due_queue();
     // Generous: the alarm lasts until this test clears it, and a loaded machine (a
     // backlog test beside this one) can take long to close 40 orders.
