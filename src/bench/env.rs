@@ -19,6 +19,10 @@ use crate::db;
 use crate::names::Names;
 use crate::tier_file::TierFile;
 
+/// The products of the steady generator, a burst and a backlog (`bench-0000` to
+/// `bench-0999`, see `load::sku`), each stocked by [`BenchEnv::reset`].
+pub const SKUS: usize = 1000;
+
 /// The services and names one benchmark run uses.
 pub struct BenchEnv {
     pub config: Config,
@@ -256,7 +260,7 @@ impl BenchEnv {
             "INSERT INTO stock (sku, available)
              SELECT 'bench-' || lpad(g::text, 4, '0'), 1000000000000
                FROM generate_series(0, $1::int - 1) g",
-            &[&(super::load::SKUS as i32)],
+            &[&(SKUS as i32)],
         )
         .await?;
         Ok(())

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use super::env::BenchEnv;
+use super::env::{BenchEnv, SKUS};
 use super::progress::Progress;
 
 /// Orders per statement, as an application batching a little would send them.
@@ -23,10 +23,6 @@ pub const PER_STATEMENT: usize = 5;
 /// One line of stock per order, from the benchmark's own SKU (pending deadlines, which
 /// are never closed while measured).
 pub const LINES: &str = r#"[{"sku": "bench", "qty": 1}]"#;
-
-/// The products of the steady generator, a burst and a backlog: `bench-0000` to
-/// `bench-0999`, each stocked.
-pub const SKUS: usize = 1000;
 
 /// The SKU of the steady generator's `n`th product (zero-padded: text order is
 /// number order, so every statement locks its stock rows in one global order).
