@@ -3,6 +3,7 @@
 #![allow(clippy::result_large_err)]
 
 use std::path::Path;
+use std::str::FromStr;
 
 use super::*;
 use figment::providers::{Format, Toml};
