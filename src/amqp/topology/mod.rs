@@ -9,9 +9,11 @@
 //! at-most-once without `x-overflow=reject-publish`).
 
 mod apply;
+mod prune;
 mod verify;
 
-pub use apply::{ApplyReport, Drift, PruneReport, REPLY_TIMEOUT, apply, prune};
+pub use apply::{ApplyReport, Drift, REPLY_TIMEOUT, apply};
+pub use prune::{PruneReport, prune};
 pub use verify::{Check, CheckStatus, VerifyReport, verify};
 
 use std::collections::BTreeMap;
