@@ -1,7 +1,9 @@
 //! Process plumbing: shutdown, supervision, back-off, the close rate, health and
-//! readiness, the start-up migrations, and the service that starts the components.
+//! readiness, the start-up migrations, and the service that starts the components
+//! (and the errors that stop it from starting).
 
 pub mod backoff;
+pub mod error;
 pub mod health;
 pub mod migrations;
 pub mod rate;

@@ -19,26 +19,14 @@ use crate::components::relay::Relay;
 use crate::components::releaser::Releaser;
 use crate::components::sweeper::Sweeper;
 use crate::config::{Config, Shard};
-use crate::db::{self, DbError, Schemas};
+use crate::db::{self, Schemas};
 use crate::observe::stats::Stats;
+use crate::runtime::error::ServiceError;
 use crate::runtime::health::Health;
 use crate::runtime::migrations;
 use crate::runtime::rate::RateLimiter;
 use crate::runtime::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
 use crate::tier::TierSet;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ServiceError {
-    #[error(transparent)]
-    Db(#[from] DbError),
-    /// An error of one of several order databases, naming `database.shards[i]`.
-    #[error("{0}")]
-    Shard(#[from] db::InShard),
-    #[error("invalid configuration: {0}")]
-    Config(#[from] crate::config::ConfigError),
-    #[error("invalid configuration: broker.tls: {0}")]
-    Tls(#[from] crate::amqp::tls::TlsError),
-}
 
 pub struct Service {
     supervisor: Supervisor,
