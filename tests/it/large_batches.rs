@@ -1,8 +1,9 @@
 //! A close of a large batch in one call (a backlog after an outage, a sweep): the
-//! kept generic plan of `lapse_close_orders`, made without the batch's size, must not
-//! compare every order it closes with every candidate (migration V17: V16's did,
-//! 999,000 rows thrown away for a batch of 1,000). The plans are read from the server
-//! itself (`auto_explain`, nested statements, as notices on the closing connection).
+//! kept generic plans of `lapse_close_orders` and `lapse_release_closed_stock`, made
+//! without the batch's size, must not compare every order with every other (migration
+//! V17: V16's close did, 999,000 rows thrown away for a batch of 1,000). The plans are
+//! read from the server itself (`auto_explain`, nested statements, as notices on the
+//! closing connection).
 
 use lapse::close::{Candidate, CloseReason, StockRelease, close_due};
 use tokio::sync::mpsc;
@@ -34,19 +35,56 @@ async fn explaining(env: &TestEnv) -> (tokio_postgres::Client, mpsc::UnboundedRe
     (client, rx)
 }
 
-/// The close's own plan among `notices`: the one whose query text is its statement.
-fn close_plan(notices: &[String]) -> &str {
+/// The one plan among `notices` whose text has every one of `marks`: `what`'s.
+fn plan<'a>(notices: &'a [String], what: &str, marks: &[&str]) -> &'a str {
     let plans: Vec<&String> = notices
         .iter()
-        .filter(|n| n.contains("WITH due AS") && n.contains("Update on orders"))
+        .filter(|n| marks.iter().all(|m| n.contains(m)))
         .collect();
     assert_eq!(
         plans.len(),
         1,
-        "auto_explain logged the close's plan once ({} notices)",
+        "auto_explain logged {what}'s plan once ({} notices)",
         notices.len()
     );
     plans[0]
+}
+
+/// The close's own plan: the one whose query text is its statement.
+fn close_plan(notices: &[String]) -> &str {
+    plan(notices, "the close", &["WITH due AS", "Update on orders"])
+}
+
+/// The release's statement in `lapse_release_closed_stock` (not its fallback).
+fn release_plan(notices: &[String]) -> &str {
+    plan(
+        notices,
+        "the release",
+        &["WITH lines AS MATERIALIZED", "Insert on stock_ledger"],
+    )
+}
+
+/// Neither a join nor a filter of `plan` compares each row of the batch with many.
+fn assert_linear(plan: &str, what: &str) {
+    let removed = most_rows_removed_by_join_filters(plan);
+    assert!(
+        removed <= BATCH as f64,
+        "a join in {what} threw away {removed} rows for a batch of {BATCH}:\n{plan}"
+    );
+    let per_row = subplans_run_per_row(plan);
+    assert!(
+        per_row.is_empty(),
+        "{what} runs a subquery per row: {per_row:?}\n{plan}"
+    );
+}
+
+/// Every subquery a filter runs per row of `plan`, unhashed (one scan of its whole
+/// result per row: quadratic in the batch).
+fn subplans_run_per_row(plan: &str) -> Vec<&str> {
+    plan.lines()
+        .filter(|l| l.contains("SubPlan") && l.contains("Filter:") && !l.contains("hashed SubPlan"))
+        .map(str::trim)
+        .collect()
 }
 
 /// The largest "Rows Removed by Join Filter" of `plan`.
@@ -61,10 +99,10 @@ fn most_rows_removed_by_join_filters(plan: &str) -> f64 {
         .fold(0.0, f64::max)
 }
 
-#[tokio::test]
-async fn a_close_of_a_thousand_orders_compares_each_once() {
-    let env = TestEnv::with_database(&["1s"]).await;
-    let db = env.db().await;
+/// `BATCH` unpaid orders past their deadline, one line of `tea` each, reserved; the
+/// candidates to close them: each with hops of its own, every tenth with a version
+/// the order does not have (extended meanwhile), to be left alone.
+async fn thousand_due(db: &tokio_postgres::Client) -> Vec<Candidate> {
     // Plans as the worker's are, whatever autovacuum would have analyzed meanwhile.
     for table in [
         "orders",
@@ -97,17 +135,21 @@ async fn a_close_of_a_thousand_orders_compares_each_once() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    // Each candidate with hops of its own; every tenth with a version the order does
-    // not have (extended meanwhile): left alone.
-    let candidates: Vec<Candidate> = ids
-        .iter()
+    ids.iter()
         .enumerate()
         .map(|(i, &order_id)| Candidate {
             order_id,
             deadline_version: if i % 10 == 9 { 2 } else { 1 },
             hops: (order_id % 7) as i32 + 1,
         })
-        .collect();
+        .collect()
+}
+
+#[tokio::test]
+async fn a_close_of_a_thousand_orders_compares_each_once() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let db = env.db().await;
+    let candidates = thousand_due(&db).await;
     let (mut closer, mut notices) = explaining(&env).await;
     let tx = closer.transaction().await.unwrap();
     let mut report = close_due(
@@ -134,6 +176,7 @@ async fn a_close_of_a_thousand_orders_compares_each_once() {
         removed <= BATCH as f64,
         "a join in the close threw away {removed} rows for a batch of {BATCH}"
     );
+    assert_linear(release_plan(&plans), "the release");
     // What the close wrote is as before: each closed order's own hops on its timeline.
     let wrong = count(
         &db,
@@ -172,6 +215,72 @@ async fn a_close_of_a_thousand_orders_compares_each_once() {
     assert_eq!(
         unpaid, stale,
         "the candidates of another version, and only they, stay"
+    );
+    drop((db, closer));
+    env.cleanup().await;
+}
+
+/// The release's other way: every stock row locked by the application, so each of the
+/// batch's releases is deferred to the event path (an outbox row with its lines),
+/// still without comparing every order with every other.
+#[tokio::test]
+async fn a_release_of_a_thousand_orders_whose_stock_is_locked_defers_each_once() {
+    let env = TestEnv::with_database(&["1s"]).await;
+    let mut db = env.db().await;
+    let candidates = thousand_due(&db).await;
+    let app = db.transaction().await.unwrap();
+    app.execute("SELECT 1 FROM stock WHERE sku = 'tea' FOR UPDATE", &[])
+        .await
+        .unwrap();
+    let (mut closer, mut notices) = explaining(&env).await;
+    let tx = closer.transaction().await.unwrap();
+    let mut report = close_due(
+        &tx,
+        &candidates,
+        CloseReason::Timeout,
+        StockRelease::InClose,
+    )
+    .await
+    .unwrap();
+    lapse::close::release_closed(&tx, &mut report, StockRelease::InClose)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    app.rollback().await.unwrap();
+    let expected = BATCH - BATCH / 10;
+    assert_eq!(report.closed.len() as i64, expected);
+    assert_eq!(report.released.applied, 0, "the stock row was locked");
+    assert_eq!(report.released.deferred, expected);
+    let mut plans = Vec::new();
+    while let Ok(n) = notices.try_recv() {
+        plans.push(n);
+    }
+    assert_linear(release_plan(&plans), "the deferred release");
+    // Each closed order's release waits in the outbox once, with its own line.
+    let events = count(
+        &db,
+        "SELECT count(*) FROM outbox o JOIN orders d ON d.id = o.order_id
+          WHERE o.kind = 'stock.release' AND d.status = 'CLOSED'
+            AND o.payload->'lines' = '[{\"sku\": \"tea\", \"qty\": 1}]'::jsonb",
+    )
+    .await;
+    assert_eq!(events, expected, "one release event per closed order");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE kind = 'stock.release'"
+        )
+        .await,
+        expected
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM stock_ledger WHERE kind = 'release'"
+        )
+        .await,
+        0,
+        "nothing released in place"
     );
     drop((db, closer));
     env.cleanup().await;
