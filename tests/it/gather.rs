@@ -81,6 +81,17 @@ async fn relay_listening(db: &mut tokio_postgres::Client) -> i64 {
     1
 }
 
+/// Once the outbox is empty: the messages in the 10 s tier's wait queue.
+async fn packs_waiting(env: &TestEnv, db: &tokio_postgres::Client) -> u32 {
+    drained(db).await;
+    let wait_queue = env
+        .names()
+        .wait_queue(lapse::tier::Tier::parse("10s").unwrap());
+    crate::queues::depth(&env.conn, &wait_queue)
+        .await
+        .expect("the 10s wait queue")
+}
+
 /// Until the outbox is empty.
 async fn drained(db: &tokio_postgres::Client) {
     eventually(Duration::from_secs(10), "the intents published", || async {
@@ -236,13 +247,7 @@ async fn far_intents_written_apart_leave_as_one_pack_and_close_on_time() {
         create_orders(&mut db, &[Duration::from_secs(12)], &[]).await;
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
-    let wait_queue = env
-        .names()
-        .wait_queue(lapse::tier::Tier::parse("10s").unwrap());
-    drained(&db).await;
-    let waiting = crate::queues::depth(&env.conn, &wait_queue)
-        .await
-        .expect("the 10s wait queue");
+    let waiting = packs_waiting(&env, &db).await;
     // One gathering round takes them all (one more if a round ran between writes).
     assert!(
         (1..=2).contains(&waiting),
@@ -269,9 +274,6 @@ async fn an_urgent_row_leaves_at_once_without_cutting_a_gathering_short() {
     config.relay.poll_interval = Duration::from_secs(600);
     config.packs.window = Duration::from_secs(5);
     let worker = env.start(&config).await;
-    let wait_queue = env
-        .names()
-        .wait_queue(lapse::tier::Tier::parse("10s").unwrap());
     let mut created = relay_listening(&mut db).await;
     let mut told = false;
     for _ in 0..ATTEMPTS {
@@ -294,10 +296,7 @@ async fn an_urgent_row_leaves_at_once_without_cutting_a_gathering_short() {
         told = true;
         create_orders(&mut db, &[Duration::from_secs(12); 5], &[]).await;
         created += 5;
-        drained(&db).await;
-        let waiting = crate::queues::depth(&env.conn, &wait_queue)
-            .await
-            .expect("the 10s wait queue");
+        let waiting = packs_waiting(&env, &db).await;
         // One pack; two if the second five were written after the gathering round ran
         // (a slow machine): the first five left together either way, not with the near one.
         assert!(

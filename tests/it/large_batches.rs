@@ -5,7 +5,9 @@
 //! read from the server itself (`auto_explain`, nested statements, as notices on the
 //! closing connection).
 
-use lapse::close::{Candidate, CloseReason, StockRelease, close_due};
+use lapse::close::{Candidate, CloseReason, CloseReport, StockRelease, close_due};
+use std::time::Duration;
+
 use tokio::sync::mpsc;
 
 use crate::helpers::{TestEnv, connect_hearing, count};
@@ -145,32 +147,37 @@ async fn thousand_due(db: &tokio_postgres::Client) -> Vec<Candidate> {
         .collect()
 }
 
+/// Closes `candidates` in one transaction with the stock released in it, as the
+/// worker does; the report and every plan the server logged meanwhile.
+async fn close_explained(env: &TestEnv, candidates: &[Candidate]) -> (CloseReport, Vec<String>) {
+    let (mut closer, mut notices) = explaining(env).await;
+    let tx = closer.transaction().await.unwrap();
+    let mut report = close_due(&tx, candidates, CloseReason::Timeout, StockRelease::InClose)
+        .await
+        .unwrap();
+    lapse::close::release_closed(&tx, &mut report, StockRelease::InClose)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // Every notice arrived before the commit's reply; dropping the client ends the
+    // stream.
+    drop(closer);
+    let mut plans = Vec::new();
+    while let Ok(Some(n)) = tokio::time::timeout(Duration::from_secs(10), notices.recv()).await {
+        plans.push(n);
+    }
+    (report, plans)
+}
+
 #[tokio::test]
 async fn a_close_of_a_thousand_orders_compares_each_once() {
     let env = TestEnv::with_database(&["1s"]).await;
     let db = env.db().await;
     let candidates = thousand_due(&db).await;
-    let (mut closer, mut notices) = explaining(&env).await;
-    let tx = closer.transaction().await.unwrap();
-    let mut report = close_due(
-        &tx,
-        &candidates,
-        CloseReason::Timeout,
-        StockRelease::InClose,
-    )
-    .await
-    .unwrap();
-    lapse::close::release_closed(&tx, &mut report, StockRelease::InClose)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    let (report, plans) = close_explained(&env, &candidates).await;
     let expected = BATCH - BATCH / 10;
     assert_eq!(report.closed.len() as i64, expected);
     assert_eq!(report.released.applied, expected);
-    let mut plans = Vec::new();
-    while let Ok(n) = notices.try_recv() {
-        plans.push(n);
-    }
     let removed = most_rows_removed_by_join_filters(close_plan(&plans));
     assert!(
         removed <= BATCH as f64,
@@ -216,7 +223,7 @@ async fn a_close_of_a_thousand_orders_compares_each_once() {
         unpaid, stale,
         "the candidates of another version, and only they, stay"
     );
-    drop((db, closer));
+    drop(db);
     env.cleanup().await;
 }
 
@@ -232,29 +239,12 @@ async fn a_release_of_a_thousand_orders_whose_stock_is_locked_defers_each_once()
     app.execute("SELECT 1 FROM stock WHERE sku = 'tea' FOR UPDATE", &[])
         .await
         .unwrap();
-    let (mut closer, mut notices) = explaining(&env).await;
-    let tx = closer.transaction().await.unwrap();
-    let mut report = close_due(
-        &tx,
-        &candidates,
-        CloseReason::Timeout,
-        StockRelease::InClose,
-    )
-    .await
-    .unwrap();
-    lapse::close::release_closed(&tx, &mut report, StockRelease::InClose)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    let (report, plans) = close_explained(&env, &candidates).await;
     app.rollback().await.unwrap();
     let expected = BATCH - BATCH / 10;
     assert_eq!(report.closed.len() as i64, expected);
     assert_eq!(report.released.applied, 0, "the stock row was locked");
     assert_eq!(report.released.deferred, expected);
-    let mut plans = Vec::new();
-    while let Ok(n) = notices.try_recv() {
-        plans.push(n);
-    }
     assert_linear(release_plan(&plans), "the deferred release");
     // Each closed order's release waits in the outbox once, with its own line.
     let events = count(
@@ -282,6 +272,6 @@ async fn a_release_of_a_thousand_orders_whose_stock_is_locked_defers_each_once()
         0,
         "nothing released in place"
     );
-    drop((db, closer));
+    drop(db);
     env.cleanup().await;
 }
