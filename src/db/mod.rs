@@ -16,6 +16,7 @@ mod lease;
 mod migrate;
 mod pool;
 mod position;
+mod settings;
 mod shards;
 pub mod tls;
 pub use lease::Lease;
@@ -27,6 +28,7 @@ pub use pool::{
 pub use position::{
     SchemaState, check as check_position, check_list, recorded_position, schema_state,
 };
+pub use settings::{Settings, write_settings};
 pub use shards::{InShard, Pools, Schemas, check_shard_list, migrate_shards, shard_key};
 
 /// The schema of lapse's own objects (docs/adopting.md): its tables, functions and
@@ -376,50 +378,6 @@ pub async fn ensure_database(url: &Secret) -> Result<(), DbError> {
             .await?;
         tracing::info!(database = %name, "created database");
     }
-    Ok(())
-}
-
-/// What the SQL functions enforce on their own (the one row of `lapse_settings`),
-/// written by [`migrate_with_settings`] from the configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Settings {
-    /// How far ahead a deadline may be (`orders.deadline_horizon`).
-    pub deadline_horizon: Duration,
-    /// `broker.prefix`: the list of order databases is recorded per prefix.
-    pub prefix: String,
-    /// The kinds `lapse.schedule` accepts (`[kinds]`), recorded in `lapse.kinds`.
-    pub kinds: crate::kinds::Catalog,
-    /// How far ahead a kind's deadline goes to the broker: the top tier. Further ones
-    /// wait in the database for the promoter.
-    pub promote_within: Duration,
-}
-
-impl Settings {
-    pub fn from_config(config: &crate::config::Config) -> Self {
-        Self {
-            deadline_horizon: config.orders.deadline_horizon,
-            prefix: config.broker.prefix.clone(),
-            kinds: crate::kinds::Catalog::new(&config.kinds, &config.database.shop_search_path),
-            promote_within: crate::kinds::promote::within(config),
-        }
-    }
-}
-
-/// Writes `settings` into `lapse_settings` and the kinds into `lapse.kinds`.
-pub async fn write_settings<C: tokio_postgres::GenericClient>(
-    client: &C,
-    settings: &Settings,
-) -> Result<(), DbError> {
-    let horizon_ms = crate::deadline::ceil_millis(settings.deadline_horizon)
-        .map_err(|e| DbError::Config(format!("orders.deadline_horizon: {e}")))?;
-    client
-        .execute_typed(
-            "UPDATE lapse_settings
-                SET deadline_horizon = justify_hours($1::bigint * interval '1 millisecond')",
-            &[(&horizon_ms, tokio_postgres::types::Type::INT8)],
-        )
-        .await?;
-    crate::kinds::check::register(client, &settings.kinds, settings.promote_within).await?;
     Ok(())
 }
 

@@ -176,60 +176,6 @@ fn type_name(t: &Type) -> String {
     t.name().to_string()
 }
 
-/// Records the kinds in `lapse.kinds` with how far ahead their deadlines go to the
-/// broker (`promote_within`, the top tier): added or changed, never deleted (the
-/// deadlines of a kind taken out of the configuration stay, and are parked as
-/// `unknown_kind`).
-pub async fn register<C: tokio_postgres::GenericClient>(
-    client: &C,
-    catalog: &Catalog,
-    promote_within: std::time::Duration,
-) -> Result<(), DbError> {
-    if catalog.is_empty() {
-        return Ok(());
-    }
-    let names: Vec<String> = catalog.iter().map(|k| k.name.clone()).collect();
-    let types: Vec<String> = catalog
-        .iter()
-        .map(|k| k.key_type.as_str().to_string())
-        .collect();
-    let within_ms = crate::deadline::saturating_millis(promote_within).max(1);
-    // Keys are stored in the canonical form of their type: a kind with deadlines
-    // ever recorded keeps its key type.
-    let changed = client
-        .query_typed(
-            "SELECT k.name, k.key_type FROM lapse.kinds k
-               JOIN unnest($1::text[], $2::text[]) AS c(name, key_type) ON c.name = k.name
-              WHERE c.key_type <> k.key_type
-                AND EXISTS (SELECT 1 FROM lapse.deadlines d WHERE d.kind = k.name)",
-            &[(&names, Type::TEXT_ARRAY), (&types, Type::TEXT_ARRAY)],
-        )
-        .await?;
-    if let Some(row) = changed.first() {
-        let name: String = crate::db::column(row, "name")?;
-        let was: String = crate::db::column(row, "key_type")?;
-        return Err(DbError::Config(format!(
-            "kinds.{name}.key_type: the kind has deadlines whose keys are {was}s; its key type \
-             cannot change (declare a kind of another name)"
-        )));
-    }
-    client
-        .execute_typed(
-            "INSERT INTO lapse.kinds (name, key_type, promote_within)
-             SELECT k.name, k.key_type, $3::bigint * interval '1 millisecond'
-               FROM unnest($1::text[], $2::text[]) AS k(name, key_type)
-             ON CONFLICT (name) DO UPDATE
-                SET key_type = EXCLUDED.key_type, promote_within = EXCLUDED.promote_within",
-            &[
-                (&names, Type::TEXT_ARRAY),
-                (&types, Type::TEXT_ARRAY),
-                (&within_ms, Type::INT8),
-            ],
-        )
-        .await?;
-    Ok(())
-}
-
 /// Checks the kinds on the database at `url` (one connection of its own, bounded like
 /// a migration's): the first problem, if any.
 pub async fn first_problem(

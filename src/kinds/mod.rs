@@ -147,6 +147,15 @@ impl Key {
     }
 }
 
+/// How far ahead a kind's deadline goes to the broker: the top tier. Further ones wait
+/// in the database for the promoter.
+pub fn promote_within(config: &crate::config::Config) -> std::time::Duration {
+    config
+        .tier_file()
+        .map(|f| f.tiers.largest().duration())
+        .unwrap_or(std::time::Duration::from_secs(3600))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,14 +29,6 @@ pub const LEASE: &str = "promoter";
 /// it, so the one that leads promotion never turns the backstop off for the others.
 pub const BACKSTOP_LEASE: &str = "kinds_backstop";
 
-/// How far ahead a kind's deadline goes to the broker: the top tier.
-pub fn within(config: &Config) -> Duration {
-    config
-        .tier_file()
-        .map(|f| f.tiers.largest().duration())
-        .unwrap_or(Duration::from_secs(3600))
-}
-
 /// How often the promoter looks: a quarter of `within`, between 100 ms and 30 s.
 pub fn interval(within: Duration) -> Duration {
     (within / 4).clamp(Duration::from_millis(100), Duration::from_secs(30))
@@ -73,7 +65,7 @@ impl Promoter {
             stats,
             batch_size: config.sweeper.batch_size,
             lease_ttl: config.sweeper.lease,
-            every: interval(within(config)),
+            every: interval(super::promote_within(config)),
             backstop_after: config.worker.sweeper.then_some(config.sweeper.grace),
             lock_timeout: config.database.lock_timeout,
         }
