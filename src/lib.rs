@@ -26,16 +26,18 @@
 //!   creation, migrations (`migrations/`) of every shard.
 //! - [`redact`]: [`redact::Secret`] and the masking of passwords in every error, log line
 //!   and panic message (a leaf: every layer may hold a secret).
+//! - [`tls`]: certificate verification and client certificates for `amqps://`, `https://`
+//!   and PostgreSQL (shared by the broker adapters and [`db`]).
 //!
 //! [`amqp`] — the broker adapters ([`amqp::endpoint`] builds the broker endpoint from
 //! the `[broker]` section):
 //! - [`amqp::broker`]: connections (to the next cluster node when one fails), argument tables, publishing with confirms (bounded by a timeout), and the one passive queue declare (counts, or missing).
 //! - [`amqp::publishing`]: a consumer's separate publishing connection; broker blocked notices.
+//! - [`amqp::redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`amqp::batch`]: the one consumer plumbing — session loop, batching, held deliveries, ack, park.
 //! - [`amqp::topology`]: the broker objects as data, and `plan` / `apply` / `verify`.
 //! - [`amqp::tier_check`]: whether the wait queues a publish is about to use exist.
 //! - [`amqp::management`]: the RabbitMQ management HTTP API (listings, policies, feature flags).
-//! - [`amqp::tls`]: certificate verification and client certificates for `amqps://` and `https://`.
 //!
 //! [`components`] — what `lapse worker` runs:
 //! - [`components::consumer`]: the due-queue consumer: its decision table, the pure plan of
@@ -45,7 +47,6 @@
 //! - [`components::sweeper`]: the backstop scan of overdue UNPAID orders.
 //! - [`components::reconciler`]: re-emits stock releases lost after a close (run by the
 //!   sweeper's leader).
-//! - [`components::redelivery`]: lapse's own bound on giving a message back to its queue.
 //! - [`components::queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
 //!
 //! [`runtime`] — process plumbing:
@@ -92,3 +93,4 @@ pub mod status;
 pub mod tier;
 pub mod tier_file;
 pub mod timeline;
+pub mod tls;

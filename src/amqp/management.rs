@@ -3,13 +3,13 @@
 //!
 //! Invariant: credentials from the URL go into the Authorization header only and
 //! never into messages or logs. An `https://` URL is verified like `amqps://` (system
-//! roots plus `broker.tls.ca_file`, see [`crate::amqp::tls`]); there is no way to skip it.
+//! roots plus `broker.tls.ca_file`, see [`crate::tls`]); there is no way to skip it.
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::amqp::tls::TlsFiles;
 use crate::redact::Secret;
+use crate::tls::TlsFiles;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManagementError {
@@ -325,7 +325,7 @@ impl Management {
 /// The error and its causes (reqwest's own text hides the TLS reason), without the URL.
 fn describe(e: reqwest::Error) -> String {
     let e = e.without_url();
-    if crate::amqp::tls::is_certificate_error(&e) {
+    if crate::tls::is_certificate_error(&e) {
         return format!(
             "TLS certificate verification failed ({}); if the broker's certificate is signed \
              by a private CA, set broker.tls.ca_file",

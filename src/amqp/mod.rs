@@ -1,15 +1,17 @@
 //! The broker adapters: connections, publishing with confirms, the consume session,
-//! the topology as data and its apply/verify, the management HTTP client, TLS.
+//! the topology as data and its apply/verify, the management HTTP client (TLS is
+//! [`crate::tls`], shared with the database connections).
 
 pub mod batch;
 pub mod broker;
 pub mod management;
 pub mod publishing;
+pub mod redelivery;
 pub mod tier_check;
-pub mod tls;
 pub mod topology;
 
 use crate::config::{BrokerConfig, BrokerTlsConfig};
+use crate::tls;
 
 /// The broker as the `[broker]` section describes it: URL (one or several addresses),
 /// `tls.*` files (read now), `confirm_timeout` and the hold limit that

@@ -60,7 +60,7 @@ fn known(cause: &(dyn std::error::Error + 'static)) -> Option<Failure> {
     if let Some(e) = cause.downcast_ref::<ConfigError>() {
         return Some(Failure::new(ExitStatus::Usage, e.to_string()));
     }
-    if let Some(e) = cause.downcast_ref::<crate::amqp::tls::TlsError>() {
+    if let Some(e) = cause.downcast_ref::<crate::tls::TlsError>() {
         return Some(Failure::new(
             ExitStatus::Usage,
             format!("invalid configuration: broker.tls: {e}"),
@@ -148,7 +148,7 @@ pub fn database(e: &tokio_postgres::Error) -> Option<Failure> {
             _ => None,
         };
     }
-    if crate::amqp::tls::is_certificate_error(e) {
+    if crate::tls::is_certificate_error(e) {
         let cause = std::error::Error::source(e).map_or_else(|| e.to_string(), |s| s.to_string());
         return usage(format!(
             "database.url: the database server's certificate was rejected ({cause}); with \

@@ -46,7 +46,7 @@ pub async fn run(config: &Config, args: ProbeArgs) -> anyhow::Result<ExitStatus>
         }
     };
     let url = format!("http://{target}/{path}");
-    let client = crate::amqp::tls::TlsFiles::default()
+    let client = crate::tls::TlsFiles::default()
         .http_client()?
         .timeout(args.timeout)
         .build()?;

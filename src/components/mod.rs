@@ -4,7 +4,6 @@
 pub mod consumer;
 pub mod queue_gauges;
 pub mod reconciler;
-pub mod redelivery;
 pub mod relay;
 pub mod releaser;
 pub mod retention;

@@ -1,6 +1,6 @@
 //! `[retention]`: how long lapse keeps what it records about finished orders. The
 //! sweeper's leader prunes older rows in small batches
-//! ([`crate::components::retention`]).
+//! (the retention component).
 
 use std::time::Duration;
 

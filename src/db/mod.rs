@@ -171,7 +171,7 @@ fn postgres_transient(e: &tokio_postgres::Error) -> bool {
     match e.code() {
         Some(code) => transient_sqlstate(code.code()),
         // A certificate the server presents is rejected again on every try.
-        None if crate::amqp::tls::is_certificate_error(e) => false,
+        None if crate::tls::is_certificate_error(e) => false,
         None => e.is_closed() || caused_by_io(e) || is_client_timeout(e),
     }
 }

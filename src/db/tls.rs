@@ -10,8 +10,8 @@ use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, Server
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 
-use crate::amqp::tls::{TlsError, TlsFiles};
 pub use crate::config::pg_tls::{PgTls, Roots, SslMode, split};
+use crate::tls::{TlsError, TlsFiles};
 
 /// The connector every connection to a database with these TLS settings uses.
 /// Trust as libpq: `sslrootcert=<file>` trusts only that file, whatever the mode;

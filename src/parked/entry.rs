@@ -15,7 +15,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::components::redelivery::returns_so_far;
+use crate::amqp::redelivery::returns_so_far;
 use crate::message::{
     PARK_CAUSE_HEADER, PARKED_AT_HEADER, TimeoutMessage, header_text, park_reason,
 };

@@ -13,5 +13,5 @@ pub enum ServiceError {
     #[error("invalid configuration: {0}")]
     Config(#[from] crate::config::ConfigError),
     #[error("invalid configuration: broker.tls: {0}")]
-    Tls(#[from] crate::amqp::tls::TlsError),
+    Tls(#[from] crate::tls::TlsError),
 }

@@ -11,7 +11,7 @@ use crate::helpers::{TestEnv, eventually, run_lapse, stderr, stdout};
 pub(crate) use crate::helpers::free_port;
 
 pub(crate) async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let client = lapse::amqp::tls::TlsFiles::default()
+    let client = lapse::tls::TlsFiles::default()
         .http_client()
         .unwrap()
         .build()

@@ -61,7 +61,7 @@ pub(crate) async fn applied(tiers: &[&str]) -> TestEnv {
 
 /// Sets (or with `None` deletes) a `delivery-limit` policy on the parked queue.
 async fn parked_delivery_limit(env: &TestEnv, limit: Option<i64>) {
-    let http = lapse::amqp::tls::TlsFiles::default()
+    let http = lapse::tls::TlsFiles::default()
         .http_client()
         .unwrap()
         .build()

@@ -10,9 +10,9 @@ use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions, Que
 use lapin::types::FieldTable;
 use lapse::amqp::broker::Endpoint;
 use lapse::amqp::publishing::PublishingConnection;
+use lapse::amqp::redelivery::{self, GiveBack, ReturnLimit};
 use lapse::amqp::topology::ArgValue;
 use lapse::amqp::topology::field_table;
-use lapse::components::redelivery::{self, GiveBack, ReturnLimit};
 use lapse::config::Secret;
 use lapse::message::park_reason;
 use lapse::observe::stats::Outcome;

@@ -7,7 +7,7 @@ use lapin::message::Delivery;
 use super::BatchSource;
 use crate::amqp::broker::{self, BrokerError, Endpoint};
 use crate::amqp::publishing::{Outgoing, PublishingConnection, parked_copy};
-use crate::components::redelivery::{requeued_properties, returns_so_far};
+use crate::amqp::redelivery::{requeued_properties, returns_so_far};
 use crate::runtime::health::Health;
 
 /// What one consuming session holds: a consuming connection with the batch source,

@@ -9,7 +9,7 @@
 //! deleted by an operator) the broker returns the message with the confirm, and the
 //! publish is [`BrokerError::Unroutable`], never delivered. (An exchange with an
 //! alternate exchange, like `<P>.delay`, routes such a message there instead.)
-//! `amqps://` always means TLS with a verified server certificate (see [`crate::amqp::tls`]).
+//! `amqps://` always means TLS with a verified server certificate (see [`crate::tls`]).
 
 use std::time::Duration;
 
@@ -26,9 +26,9 @@ pub use queue::{
     open_channel_within, passive_declare, queue_state, queue_state_within,
 };
 
-use crate::amqp::tls::{self, TlsFiles};
 use crate::config::split_addresses;
 use crate::redact::Secret;
+use crate::tls::{self, TlsFiles};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {

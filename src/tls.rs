@@ -1,4 +1,6 @@
-//! TLS towards the broker: `amqps://` (AMQP) and `https://` (the management API).
+//! TLS material and verification for every connection lapse makes: the broker
+//! (`amqps://`, and `https://` for the management API) and PostgreSQL (`db::tls`
+//! builds its connector from the same files and checks).
 //!
 //! Invariants: the server's certificate is always verified — against the system's
 //! root certificates plus, when configured, a CA file; there is no switch that turns

@@ -8,7 +8,7 @@
 //! dead-lettered — its effect lost unless something repairs it.
 //!
 //! How: prefer not to give a message back at all — keep the delivery and retry while
-//! holding it, as the worker does with publishes (see [`crate::components::consumer`]). Where a
+//! holding it, as the worker does with publishes (the due-queue consumer). Where a
 //! delivery must go back, [`give_back`] republishes a copy to the queue it came from,
 //! carrying [`RETURNS_HEADER`] = returns so far + 1, and only then acknowledges the
 //! original; the copy is at the back of the queue, so other messages flow meanwhile.
