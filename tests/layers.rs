@@ -1,0 +1,116 @@
+//! The layering rules of docs/architecture.md ("Layers"), checked on the source tree:
+//! lower layers never name higher ones, not even in a doc link. The same checks as the
+//! `grep` lines there, so the document and the code cannot drift apart.
+
+use std::path::{Path, PathBuf};
+
+/// The domain and shared ground.
+const DOMAIN: &[&str] = &[
+    "src/config",
+    "src/tier.rs",
+    "src/tier_file.rs",
+    "src/names.rs",
+    "src/message.rs",
+    "src/close",
+    "src/orders.rs",
+    "src/deadline.rs",
+    "src/timeline.rs",
+    "src/db",
+    "src/redact.rs",
+    "src/tls.rs",
+];
+
+/// Every `.rs` file under `roots` (files or directories, relative to the crate).
+fn sources(roots: &[&str]) -> Vec<PathBuf> {
+    fn walk(path: &Path, found: &mut Vec<PathBuf>) {
+        if path.is_dir() {
+            let mut entries: Vec<PathBuf> = std::fs::read_dir(path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+                .map(|e| e.unwrap().path())
+                .collect();
+            entries.sort();
+            for entry in entries {
+                walk(&entry, found);
+            }
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            found.push(path.to_path_buf());
+        }
+    }
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for root in roots {
+        let path = crate_dir.join(root);
+        assert!(
+            path.exists(),
+            "{root} is gone: update the layers here and in docs/architecture.md"
+        );
+        walk(&path, &mut found);
+    }
+    found
+}
+
+/// Each line of `files` that names `crate::<module>` for one of `modules` (a whole
+/// path segment: `crate::tls` is not `crate::tls_files`), as `path:line: text`.
+fn naming(files: &[PathBuf], modules: &[&str]) -> Vec<String> {
+    let mut hits = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let names = modules.iter().any(|m| {
+                let needle = format!("crate::{m}");
+                line.match_indices(&needle).any(|(at, _)| {
+                    !line[at + needle.len()..]
+                        .starts_with(|c: char| c.is_alphanumeric() || c == '_')
+                })
+            });
+            if names {
+                hits.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn the_domain_and_the_adapters_name_no_component_command_or_service() {
+    let mut files = sources(DOMAIN);
+    files.extend(sources(&["src/amqp"]));
+    let hits = naming(&files, &["components", "cli", "runtime::service"]);
+    assert!(hits.is_empty(), "{hits:#?}");
+}
+
+#[test]
+fn the_domain_names_no_broker_adapter() {
+    let hits = naming(&sources(DOMAIN), &["amqp"]);
+    assert!(hits.is_empty(), "{hits:#?}");
+}
+
+#[test]
+fn components_name_no_command_or_service() {
+    let hits = naming(&sources(&["src/components"]), &["cli", "runtime::service"]);
+    assert!(hits.is_empty(), "{hits:#?}");
+}
+
+#[test]
+fn the_plumbing_names_no_component_or_command_except_the_service() {
+    let files: Vec<PathBuf> = sources(&["src/runtime", "src/observe"])
+        .into_iter()
+        .filter(|f| !f.ends_with("src/runtime/service.rs"))
+        .collect();
+    let hits = naming(&files, &["components", "cli"]);
+    assert!(hits.is_empty(), "{hits:#?}");
+}
+
+#[test]
+fn the_check_sees_a_name_and_only_a_whole_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sample.rs");
+    std::fs::write(
+        &file,
+        "use crate::amqp::tls_files;\n// crate::tls_files\nuse crate::tls;\n",
+    )
+    .unwrap();
+    let hits = naming(&[file], &["tls"]);
+    assert_eq!(hits.len(), 1, "{hits:#?}");
+    assert!(hits[0].ends_with(":3: use crate::tls;"), "{hits:#?}");
+}
