@@ -173,8 +173,13 @@ async fn wait(
         Some(began) => began,
         None => {
             tokio::select! {
-                _ = wake.now.notified() => return Round::All { waited: Duration::ZERO },
+                // A gathering wake-up first: when both kinds are pending (heard in one
+                // read, while a round ran), the gathering begins and the urgent wake-up
+                // is answered below by a round of the urgent rows only. Taken the other
+                // way, a round of everything would cut the gathering's packs short.
+                biased;
                 _ = wake.gather.notified() => {}
+                _ = wake.now.notified() => return Round::All { waited: Duration::ZERO },
                 _ = tokio::time::sleep(poll) => return Round::All { waited: Duration::ZERO },
                 _ = token.cancelled() => return Round::All { waited: Duration::ZERO },
             }
@@ -192,5 +197,73 @@ async fn wait(
     *gathering = None;
     Round::All {
         waited: began.elapsed(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both wake-ups pending when the relay comes to wait (heard in one read while a
+    /// round ran): the gathering begins and the urgent rows leave alone, at once.
+    #[tokio::test(start_paused = true)]
+    async fn an_urgent_and_a_gathering_wake_up_together_begin_a_gathering_and_an_urgent_round() {
+        let token = CancellationToken::new();
+        let gather = Duration::from_secs(1);
+        for _ in 0..20 {
+            let wake = Wakes::default();
+            wake.gather.notify_one();
+            wake.now.notify_one();
+            let mut gathering = None;
+            let round = wait(
+                &wake,
+                Duration::from_secs(30),
+                gather,
+                &mut gathering,
+                &token,
+            )
+            .await;
+            assert!(matches!(round, Round::Urgent { .. }), "{round:?}");
+            assert!(gathering.is_some(), "the gathering stays pending");
+            // And the gathering round comes when it is due, not later.
+            let began = gathering.unwrap();
+            let round = wait(
+                &wake,
+                Duration::from_secs(30),
+                gather,
+                &mut gathering,
+                &token,
+            )
+            .await;
+            assert!(matches!(round, Round::All { .. }), "{round:?}");
+            assert!(gathering.is_none());
+            assert_eq!(began.elapsed(), gather);
+        }
+    }
+
+    /// An urgent wake-up alone, nothing gathering: a round of everything at once.
+    #[tokio::test(start_paused = true)]
+    async fn an_urgent_wake_up_alone_runs_a_round_of_everything_at_once() {
+        let token = CancellationToken::new();
+        let wake = Wakes::default();
+        wake.now.notify_one();
+        let mut gathering = None;
+        let started = Instant::now();
+        let round = wait(
+            &wake,
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            &mut gathering,
+            &token,
+        )
+        .await;
+        assert_eq!(
+            round,
+            Round::All {
+                waited: Duration::ZERO
+            }
+        );
+        assert!(gathering.is_none());
+        assert_eq!(started.elapsed(), Duration::ZERO);
     }
 }
