@@ -36,6 +36,9 @@ pub struct Released {
     pub applied: i64,
     /// Closed orders whose release went to the outbox instead (a stock row locked).
     pub deferred: i64,
+    /// The database refused the release (logged with its error): every order of the
+    /// batch went to the outbox.
+    pub refused: bool,
 }
 
 /// Releases the stock of `closed` (orders `tx` just closed and still holds) in `tx`,
@@ -65,13 +68,14 @@ pub async fn in_close(tx: &Transaction<'_>, closed: &[i64]) -> Result<Released, 
             ],
         )
         .await?;
-    let released = Released {
-        applied: column(&row, "applied")?,
-        deferred: column(&row, "deferred")?,
-    };
-    if let Some(refused) = column::<Option<String>>(&row, "refused")? {
+    let refused = column::<Option<String>>(&row, "refused")?;
+    if let Some(refused) = &refused {
         tracing::warn!(error = %refused, orders = closed.len(),
             "close: the stock release in the close's transaction failed; the batch's releases go to the stock releaser");
     }
-    Ok(released)
+    Ok(Released {
+        applied: column(&row, "applied")?,
+        deferred: column(&row, "deferred")?,
+        refused: refused.is_some(),
+    })
 }

@@ -224,6 +224,7 @@ async fn a_release_the_data_refuses_sends_the_batch_to_the_event_path_and_keeps_
     let (report, timeout) = close_in_place(&mut db, &fine[..1]).await;
     assert_eq!(report.closed.len(), 1);
     assert_eq!(report.released.applied, 1);
+    assert!(!report.released.refused);
     assert_eq!(timeout, "700ms");
     // Someone zeroed the reservation by hand: the release would break `reserved >= 0`.
     db.execute("UPDATE stock SET reserved = 0 WHERE sku = 'broken'", &[])
@@ -234,6 +235,7 @@ async fn a_release_the_data_refuses_sends_the_batch_to_the_event_path_and_keeps_
     assert_eq!(report.closed.len(), 3, "the closes stand");
     assert_eq!(report.released.applied, 0);
     assert_eq!(report.released.deferred, 3, "{report:?}");
+    assert!(report.released.refused, "{report:?}");
     assert_eq!(timeout, "700ms");
     let outboxed = count(
         &db,
