@@ -117,7 +117,7 @@ pub struct ConnectionInfo {
 }
 
 impl ConnectionInfo {
-    /// The name the client gave itself (lapse: "lapse worker <prefix>", ...).
+    /// The name the client gave itself (lapse: `lapse worker <prefix>`, ...).
     pub fn client_name(&self) -> Option<&str> {
         self.client_properties.get("connection_name")?.as_str()
     }

@@ -67,7 +67,7 @@ pub const VERSION: &str = concat!(
 )]
 pub struct Cli {
     /// Configuration file (default: lapse.toml in the working directory, if present).
-    /// Any key can also be set as LAPSE_<SECTION>__<KEY>.
+    /// Any key can also be set as `LAPSE_<SECTION>__<KEY>`.
     #[arg(long, global = true, value_name = "FILE", env = "LAPSE_CONFIG")]
     pub config: Option<PathBuf>,
     #[command(subcommand)]

@@ -2,7 +2,7 @@
 //! closes only what is still UNPAID, of the expected deadline version, and due by the
 //! database clock — and the example shop's stock release in the same transaction:
 //! applied by the next statement (`worker.stock_release = "in_close"`, see
-//! [`release`]) or as stock-release outbox rows written by the close statement itself
+//! `release`) or as stock-release outbox rows written by the close statement itself
 //! (`"event"`, for the stock releaser).
 //!
 //! Invariants: never early (`expire_at <= now()` in the WHERE); at most once (the

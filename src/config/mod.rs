@@ -113,7 +113,7 @@ pub struct DatabaseConfig {
     /// order database (shard 0) when `shards` is not set.
     pub url: Secret,
     /// Several order databases with the same schema: shard `i` is `shards[i]`. Set
-    /// instead of `url`, never together with it (see [`DatabaseConfig::shard_urls`]).
+    /// instead of `url`, never together with it (see [`DatabaseConfig::shard_list`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<Vec<Secret>>,
     /// Connections per pool (the worker, relay and sweeper each have their own; per

@@ -304,7 +304,7 @@ pub const LOGIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The connection settings of `url` for creating, migrating and checking its database
 /// (outside the pools): a server
 /// that does not answer at all (packets dropped) fails within
-/// [`MIGRATION_CONNECT_TIMEOUT`] instead of the system's connect timeout, and one that
+/// `MIGRATION_CONNECT_TIMEOUT` instead of the system's connect timeout, and one that
 /// vanishes mid-way (no ACKs) within a minute through TCP keepalives and the user
 /// timeout, so a worker's start does not wait minutes for one shard. A migration that
 /// runs long, or waits for another worker's migration lock, is not cut short.
@@ -330,7 +330,7 @@ pub(super) fn detect_dead_peers(config: &mut tokio_postgres::Config) {
 
 /// [`connect`] for creating, migrating or checking a database: the login, too, is bounded (a
 /// server that accepts the connection and then says nothing), by
-/// [`MIGRATION_CONNECT_TIMEOUT`] for each host the driver may try in turn plus
+/// `MIGRATION_CONNECT_TIMEOUT` for each host the driver may try in turn plus
 /// [`LOGIN_TIMEOUT`].
 pub async fn bounded_connect(
     config: &PgTarget,

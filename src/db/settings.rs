@@ -10,7 +10,7 @@ use super::{DbError, column};
 use crate::kinds::Catalog;
 
 /// What the SQL functions enforce on their own (the one row of `lapse_settings`),
-/// written by [`migrate_with_settings`] from the configuration.
+/// written by [`super::migrate_with_settings`] from the configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
     /// How far ahead a deadline may be (`orders.deadline_horizon`).

@@ -123,7 +123,7 @@ impl BatchSource {
 
     /// Keeps `delivery` unacknowledged and hands it out again with a batch at `until`,
     /// unless that is past the hold limit counted from its arrival: then it is set
-    /// aside for [`ConsumerSession::renew_overdue`], which the session loop runs after
+    /// aside for [`super::ConsumerSession::renew_overdue`], which the session loop runs after
     /// each batch.
     pub fn hold(&mut self, delivery: Delivery, until: Instant) {
         let last = self.kept_until(&delivery);

@@ -154,7 +154,7 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How lapse reaches the broker: the URL (one address or several, comma-separated),
 /// the TLS material for `amqps://` and the confirm timeout of its publishers.
-/// Clones share which address worked last (see [`addresses`]).
+/// Clones share which address worked last (see `broker::addresses`).
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     pub url: Secret,

@@ -140,7 +140,7 @@ async fn rebound(conn: &Connection, binding: &Binding<'_>, messages: u64, why: S
 
 /// Deletes wait queues of this prefix that the topology no longer has, if empty.
 ///
-/// A candidate must parse as one of lapse's tier queues ([`orphan_tier`]). Then:
+/// A candidate must parse as one of lapse's tier queues (`orphan_tier`). Then:
 /// 1. the management API's view (which counts unacknowledged messages and consumers)
 ///    must show no messages of any kind and no consumer;
 /// 2. the queue is unbound from the delay exchange, so a publish to its tier now goes

@@ -149,7 +149,7 @@ impl Consumer {
     }
 
     /// Consumes the due queue until `token` is cancelled, reconnecting with back-off
-    /// (the session loop shared with the releaser, [`consume_reconnecting`]). Opening
+    /// (the session loop shared with the releaser, `amqp::batch::consume_reconnecting`). Opening
     /// a session and each batch are units of work for the liveness check; waiting for
     /// deliveries and rate limiting are not.
     pub async fn run(

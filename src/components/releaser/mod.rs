@@ -106,7 +106,7 @@ pub struct Releaser {
 
 impl Releaser {
     /// Consumes the stock-release queue until `token` is cancelled, reconnecting with
-    /// back-off: the consumer's session loop ([`consume_reconnecting`]) with this
+    /// back-off: the consumer's session loop (`amqp::batch::consume_reconnecting`) with this
     /// releaser handling each batch.
     pub async fn run(
         self,
