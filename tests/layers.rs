@@ -18,6 +18,8 @@ const DOMAIN: &[&str] = &[
     "src/db",
     "src/redact.rs",
     "src/tls.rs",
+    "src/pack.rs",
+    "src/kinds",
 ];
 
 /// Every `.rs` file under `roots` (files or directories, relative to the crate).
@@ -50,17 +52,31 @@ fn sources(roots: &[&str]) -> Vec<PathBuf> {
 }
 
 /// Each line of `files` that names `crate::<module>` for one of `modules` (a whole
-/// path segment: `crate::tls` is not `crate::tls_files`), as `path:line: text`.
+/// path segment: `crate::tls` is not `crate::tls_files`), as `path:line: text`; a
+/// group (`use crate::{a::b, c}`) names each of its items, at the line it opens.
 fn naming(files: &[PathBuf], modules: &[&str]) -> Vec<String> {
     let mut hits = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(file).unwrap();
         for (n, line) in text.lines().enumerate() {
-            let names = modules.iter().any(|m| {
-                let needle = format!("crate::{m}");
-                line.match_indices(&needle).any(|(at, _)| {
-                    !line[at + needle.len()..]
-                        .starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            let mut paths: Vec<String> = Vec::new();
+            for (at, _) in line.match_indices("crate::") {
+                let rest = &line[at + "crate::".len()..];
+                match rest.strip_prefix('{') {
+                    Some(_) => {
+                        let from = text.lines().take(n).map(|l| l.len() + 1).sum::<usize>()
+                            + at
+                            + "crate::{".len();
+                        paths.extend(group_items(&text[from..]));
+                    }
+                    None => paths.push(rest.to_string()),
+                }
+            }
+            let names = paths.iter().any(|path| {
+                modules.iter().any(|m| {
+                    path.strip_prefix(m).is_some_and(|after| {
+                        !after.starts_with(|c: char| c.is_alphanumeric() || c == '_')
+                    })
                 })
             });
             if names {
@@ -69,6 +85,40 @@ fn naming(files: &[PathBuf], modules: &[&str]) -> Vec<String> {
         }
     }
     hits
+}
+
+/// The items of a `{...}` group whose text starts right after its `{`, each as the
+/// path it names (nested groups flattened: `a::{b, c}` gives `a::b`, `a::c`).
+fn group_items(text: &str) -> Vec<String> {
+    let (mut items, mut current, mut depth) = (Vec::new(), String::new(), 0);
+    for c in text.chars() {
+        match c {
+            '{' => {
+                depth += 1;
+                current.push(c);
+            }
+            '}' if depth == 0 => break,
+            '}' => {
+                depth -= 1;
+                current.push(c);
+            }
+            ',' if depth == 0 => items.push(std::mem::take(&mut current)),
+            _ => current.push(c),
+        }
+    }
+    items.push(current);
+    items
+        .iter()
+        .map(|item| item.split_whitespace().collect::<String>())
+        .filter(|item| !item.is_empty())
+        .flat_map(|item| match item.split_once("::{") {
+            Some((head, inner)) => group_items(inner)
+                .into_iter()
+                .map(|tail| format!("{head}::{tail}"))
+                .collect(),
+            None => vec![item],
+        })
+        .collect()
 }
 
 #[test]
@@ -107,10 +157,15 @@ fn the_check_sees_a_name_and_only_a_whole_one() {
     let file = dir.path().join("sample.rs");
     std::fs::write(
         &file,
-        "use crate::amqp::tls_files;\n// crate::tls_files\nuse crate::tls;\n",
+        "use crate::amqp::tls_files;\n// crate::tls_files\nuse crate::tls;\n\
+         use crate::{\n    names::Names,\n    db::{self, tls::X},\n};\nuse crate::{tlsx, y};\n",
     )
     .unwrap();
-    let hits = naming(&[file], &["tls"]);
+    let hits = naming(std::slice::from_ref(&file), &["tls"]);
     assert_eq!(hits.len(), 1, "{hits:#?}");
     assert!(hits[0].ends_with(":3: use crate::tls;"), "{hits:#?}");
+    let hits = naming(std::slice::from_ref(&file), &["db::tls"]);
+    assert_eq!(hits.len(), 1, "{hits:#?}");
+    assert!(hits[0].ends_with(":4: use crate::{"), "{hits:#?}");
+    assert_eq!(naming(&[file], &["names"]).len(), 1);
 }
