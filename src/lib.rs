@@ -49,8 +49,10 @@
 //!   sweeper's leader).
 //! - [`components::queue_gauges`]: depths and consumer counts of lapse's queues, as gauges.
 //!
+//! [`service`]: `lapse worker` as a library — migrates the order databases, then starts
+//! the components under the supervisor (the composition root, with `cli/`).
+//!
 //! [`runtime`] — process plumbing:
-//! - [`runtime::service`]: `lapse worker` — starts the components under the supervisor.
 //! - [`runtime::supervisor`]: restarts failed components with back-off; stops on a fatal failure.
 //! - [`runtime::rate`], [`runtime::backoff`]: the closes-per-second bucket; retry pacing and
 //!   jittered reconnects.
@@ -89,6 +91,7 @@ pub mod pack;
 pub mod parked;
 pub mod redact;
 pub mod runtime;
+pub mod service;
 pub mod status;
 pub mod tier;
 pub mod tier_file;

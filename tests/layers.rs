@@ -125,7 +125,7 @@ fn group_items(text: &str) -> Vec<String> {
 fn the_domain_and_the_adapters_name_no_component_command_or_service() {
     let mut files = sources(DOMAIN);
     files.extend(sources(&["src/amqp"]));
-    let hits = naming(&files, &["components", "cli", "runtime::service"]);
+    let hits = naming(&files, &["components", "cli", "service"]);
     assert!(hits.is_empty(), "{hits:#?}");
 }
 
@@ -137,17 +137,14 @@ fn the_domain_names_no_broker_adapter() {
 
 #[test]
 fn components_name_no_command_or_service() {
-    let hits = naming(&sources(&["src/components"]), &["cli", "runtime::service"]);
+    let hits = naming(&sources(&["src/components"]), &["cli", "service"]);
     assert!(hits.is_empty(), "{hits:#?}");
 }
 
 #[test]
-fn the_plumbing_names_no_component_or_command_except_the_service() {
-    let files: Vec<PathBuf> = sources(&["src/runtime", "src/observe"])
-        .into_iter()
-        .filter(|f| !f.ends_with("src/runtime/service.rs"))
-        .collect();
-    let hits = naming(&files, &["components", "cli"]);
+fn the_plumbing_names_no_component_service_or_command() {
+    let files = sources(&["src/runtime", "src/observe"]);
+    let hits = naming(&files, &["components", "service", "cli"]);
     assert!(hits.is_empty(), "{hits:#?}");
 }
 

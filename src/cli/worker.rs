@@ -15,9 +15,9 @@ use crate::config::Config;
 use crate::db;
 use crate::observe::http;
 use crate::observe::stats::Stats;
-use crate::runtime::service::Service;
 use crate::runtime::shutdown;
 use crate::runtime::supervisor::Stop;
+use crate::service::Service;
 
 #[derive(Debug, Args)]
 #[command(after_help = help::after(
@@ -154,7 +154,7 @@ fn uses_database(config: &Config) -> bool {
 /// does not answer (or answers that it is starting up); any other failure (refused
 /// credentials, a failed migration) is an error. False when a signal came first. (Several
 /// order databases are migrated by [`Service::start`]: one that does not answer must
-/// not hold back the others, see `runtime::migrations`.)
+/// not hold back the others, see `service::migrations`.)
 async fn migrate_when_reachable(
     config: &Config,
     token: &tokio_util::sync::CancellationToken,

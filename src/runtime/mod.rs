@@ -1,13 +1,10 @@
-//! Process plumbing: shutdown, supervision, back-off, the close rate, health and
-//! readiness, the start-up migrations, and the service that starts the components
-//! (and the errors that stop it from starting).
+//! Process plumbing every layer may use: shutdown, supervision, back-off, the close
+//! rate, health and readiness. It names no component: the service that starts them
+//! is the worker's composition root, `service/`.
 
 pub mod backoff;
-pub mod error;
 pub mod health;
-pub mod migrations;
 pub mod rate;
 pub mod readiness;
-pub mod service;
 pub mod shutdown;
 pub mod supervisor;

@@ -12,7 +12,7 @@ use lapse::amqp::broker::{BrokerError, Publisher};
 use lapse::config::Secret;
 use lapse::observe::stats::Stats;
 use lapse::orders::Line;
-use lapse::runtime::service::Service;
+use lapse::service::Service;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::{TestEnv, assert_never_early, count, create_orders, eventually};

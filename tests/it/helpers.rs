@@ -14,7 +14,7 @@ use lapse::config::{Config, Secret};
 use lapse::names::Names;
 use lapse::observe::stats::Stats;
 use lapse::orders::{self, Deadline, Line, OrderId};
-use lapse::runtime::service::Service;
+use lapse::service::Service;
 use lapse::tier_file::TierFile;
 use tokio_util::sync::CancellationToken;
 
@@ -412,7 +412,7 @@ pub struct Running {
     pub stats: Stats,
     /// Its components' health, as `/health` shows it (for failure reports).
     pub health: lapse::runtime::health::Health,
-    join: tokio::task::JoinHandle<lapse::runtime::service::Stopped>,
+    join: tokio::task::JoinHandle<lapse::service::Stopped>,
 }
 
 impl Running {

@@ -844,11 +844,10 @@ async fn kinds_check_and_a_starting_worker_name_the_kind_and_the_key() {
     config
         .kinds
         .insert("two".into(), kind(KeyType::Text, cases[3].2, None));
-    let error =
-        lapse::runtime::service::Service::start(&config, Default::default(), Default::default())
-            .await
-            .err()
-            .expect("refused");
+    let error = lapse::service::Service::start(&config, Default::default(), Default::default())
+        .await
+        .err()
+        .expect("refused");
     assert!(error.to_string().contains("kinds.two.action"), "{error}");
     // Nothing of the checks was executed: the row is as it was.
     assert_eq!(

@@ -11,9 +11,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, Shard};
 use crate::db::{self, InShard, Schemas};
 use crate::runtime::backoff::Backoff;
-use crate::runtime::error::ServiceError;
 use crate::runtime::health::Health;
 use crate::runtime::supervisor::Fatal;
+use crate::service::error::ServiceError;
 
 /// What the start-up migrations left: which shards are migrated, and those to migrate
 /// in the background.

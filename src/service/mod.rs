@@ -8,6 +8,13 @@
 //! (unacknowledged deliveries return to their queue). A fatal failure (the broker
 //! refuses the credentials) stops the service the same way and is reported, so the
 //! process exits non-zero.
+//!
+//! The composition root of the worker: the one module outside `cli/` that names the
+//! components. Before they start, `migrations` migrates the order databases
+//! (`worker.migrate_on_start`); `error` is why a start failed.
+
+pub mod error;
+pub mod migrations;
 
 use std::time::Duration;
 
@@ -21,12 +28,11 @@ use crate::components::sweeper::Sweeper;
 use crate::config::{Config, Shard};
 use crate::db::{self, Schemas};
 use crate::observe::stats::Stats;
-use crate::runtime::error::ServiceError;
 use crate::runtime::health::Health;
-use crate::runtime::migrations;
 use crate::runtime::rate::RateLimiter;
 use crate::runtime::supervisor::{ComponentFuture, RestartPolicy, Stop, Supervisor};
 use crate::tier::TierSet;
+use error::ServiceError;
 
 pub struct Service {
     supervisor: Supervisor,
