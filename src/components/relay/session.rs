@@ -204,6 +204,8 @@ async fn wait(
 mod tests {
     use super::*;
 
+    const POLL: Duration = Duration::from_secs(30);
+
     /// Both wake-ups pending when the relay comes to wait (heard in one read while a
     /// round ran): the gathering begins and the urgent rows leave alone, at once.
     #[tokio::test(start_paused = true)]
@@ -215,26 +217,12 @@ mod tests {
             wake.gather.notify_one();
             wake.now.notify_one();
             let mut gathering = None;
-            let round = wait(
-                &wake,
-                Duration::from_secs(30),
-                gather,
-                &mut gathering,
-                &token,
-            )
-            .await;
+            let round = wait(&wake, POLL, gather, &mut gathering, &token).await;
             assert!(matches!(round, Round::Urgent { .. }), "{round:?}");
             assert!(gathering.is_some(), "the gathering stays pending");
             // And the gathering round comes when it is due, not later.
             let began = gathering.unwrap();
-            let round = wait(
-                &wake,
-                Duration::from_secs(30),
-                gather,
-                &mut gathering,
-                &token,
-            )
-            .await;
+            let round = wait(&wake, POLL, gather, &mut gathering, &token).await;
             assert!(matches!(round, Round::All { .. }), "{round:?}");
             assert!(gathering.is_none());
             assert_eq!(began.elapsed(), gather);
@@ -249,14 +237,8 @@ mod tests {
         wake.now.notify_one();
         let mut gathering = None;
         let started = Instant::now();
-        let round = wait(
-            &wake,
-            Duration::from_secs(30),
-            Duration::from_secs(1),
-            &mut gathering,
-            &token,
-        )
-        .await;
+        let gather = Duration::from_secs(1);
+        let round = wait(&wake, POLL, gather, &mut gathering, &token).await;
         assert_eq!(
             round,
             Round::All {
