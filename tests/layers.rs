@@ -58,20 +58,18 @@ fn naming(files: &[PathBuf], modules: &[&str]) -> Vec<String> {
     let mut hits = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(file).unwrap();
-        for (n, line) in text.lines().enumerate() {
+        let mut start = 0;
+        for (n, raw) in text.split_inclusive('\n').enumerate() {
+            let line = raw.trim_end_matches(['\n', '\r']);
             let mut paths: Vec<String> = Vec::new();
             for (at, _) in line.match_indices("crate::") {
                 let rest = &line[at + "crate::".len()..];
                 match rest.strip_prefix('{') {
-                    Some(_) => {
-                        let from = text.lines().take(n).map(|l| l.len() + 1).sum::<usize>()
-                            + at
-                            + "crate::{".len();
-                        paths.extend(group_items(&text[from..]));
-                    }
+                    Some(_) => paths.extend(group_items(&text[start + at + "crate::{".len()..])),
                     None => paths.push(rest.to_string()),
                 }
             }
+            start += raw.len();
             let names = paths.iter().any(|path| {
                 modules.iter().any(|m| {
                     path.strip_prefix(m).is_some_and(|after| {
@@ -91,7 +89,18 @@ fn naming(files: &[PathBuf], modules: &[&str]) -> Vec<String> {
 /// path it names (nested groups flattened: `a::{b, c}` gives `a::b`, `a::c`).
 fn group_items(text: &str) -> Vec<String> {
     let (mut items, mut current, mut depth) = (Vec::new(), String::new(), 0);
+    let mut in_comment = false;
     for c in text.chars() {
+        // A line comment inside the group says nothing about its items.
+        if in_comment {
+            in_comment = c != '\n';
+            continue;
+        }
+        if c == '/' && current.ends_with('/') {
+            current.pop();
+            in_comment = true;
+            continue;
+        }
         match c {
             '{' => {
                 depth += 1;
@@ -109,7 +118,11 @@ fn group_items(text: &str) -> Vec<String> {
     items.push(current);
     items
         .iter()
-        .map(|item| item.split_whitespace().collect::<String>())
+        // `a::b as c` names `a::b`.
+        .map(|item| {
+            let item = item.split(" as ").next().unwrap_or_default();
+            item.split_whitespace().collect::<String>()
+        })
         .filter(|item| !item.is_empty())
         .flat_map(|item| match item.split_once("::{") {
             Some((head, inner)) => group_items(inner)
@@ -154,8 +167,9 @@ fn the_check_sees_a_name_and_only_a_whole_one() {
     let file = dir.path().join("sample.rs");
     std::fs::write(
         &file,
-        "use crate::amqp::tls_files;\n// crate::tls_files\nuse crate::tls;\n\
-         use crate::{\n    names::Names,\n    db::{self, tls::X},\n};\nuse crate::{tlsx, y};\n",
+        "use crate::amqp::tls_files;\n// crate::tls_files \u{2014} a dash\nuse crate::tls;\n\
+         use crate::{\n    names::Names, // crate::x, tls\n    db::{self, tls::X},\n};\n\
+         use crate::{tlsx, y};\nuse crate::{service as s, cli};\n",
     )
     .unwrap();
     let hits = naming(std::slice::from_ref(&file), &["tls"]);
@@ -164,5 +178,15 @@ fn the_check_sees_a_name_and_only_a_whole_one() {
     let hits = naming(std::slice::from_ref(&file), &["db::tls"]);
     assert_eq!(hits.len(), 1, "{hits:#?}");
     assert!(hits[0].ends_with(":4: use crate::{"), "{hits:#?}");
-    assert_eq!(naming(&[file], &["names"]).len(), 1);
+    assert_eq!(naming(std::slice::from_ref(&file), &["names"]).len(), 1);
+    assert_eq!(naming(std::slice::from_ref(&file), &["service"]).len(), 1);
+    // The same with Windows line ends: the same lines.
+    let crlf = dir.path().join("crlf.rs");
+    let text = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace('\n', "\r\n");
+    std::fs::write(&crlf, text).unwrap();
+    let hits = naming(&[crlf], &["db::tls", "service"]);
+    assert_eq!(hits.len(), 2, "{hits:#?}");
+    assert!(hits[0].ends_with(":4: use crate::{"), "{hits:#?}");
 }
