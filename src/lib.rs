@@ -57,13 +57,13 @@
 //! - [`runtime::rate`], [`runtime::backoff`]: the closes-per-second bucket; retry pacing and
 //!   jittered reconnects.
 //! - [`runtime::health`], [`runtime::readiness`]: component health and liveness; readiness.
+//! - [`runtime::http`]: the `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
 //! - [`runtime::shutdown`]: the root cancellation token (SIGINT/SIGTERM).
 //!
 //! [`observe`] — what lapse tells the outside:
 //! - [`observe::telemetry`]: structured logs (`LAPSE_LOG`, `LAPSE_LOG_FORMAT`).
 //! - [`observe::metric_catalog`]: every exported metric's name, help text and buckets.
 //! - [`observe::stats`]: outcome counters and the lateness histogram.
-//! - [`observe::http`]: the `/metrics`, `/livez`, `/readyz`, `/health` endpoint (axum).
 //!
 //! Commands:
 //! - [`cli`]: the command line, one file per command.

@@ -9,7 +9,7 @@ use clap::Args;
 
 use super::ExitStatus;
 use crate::config::Config;
-use crate::observe::http;
+use crate::runtime::http;
 
 #[derive(Debug, Args)]
 pub struct ProbeArgs {
