@@ -126,6 +126,29 @@ async fn far_intents(db: &mut tokio_postgres::Client, n: usize) -> (Vec<i64>, bo
     (far, untouched)
 }
 
+/// One try: `n` far intents, then a near one (due in `near_in`): how many of the far
+/// intents left with it ([`left_with`]), and the near order; `None` when the try tells
+/// nothing (a round took far intents at once, or the look came too late). Counts the
+/// orders it created in `created`.
+async fn near_after_far(
+    db: &mut tokio_postgres::Client,
+    n: usize,
+    near_in: Duration,
+    created: &mut i64,
+) -> Option<(usize, i64)> {
+    let began = Instant::now();
+    let (far, untouched) = far_intents(db, n).await;
+    *created += n as i64;
+    if !untouched {
+        return None;
+    }
+    let near = create_orders(db, &[near_in], &[]).await[0].0;
+    *created += 1;
+    left_with(db, near, &far, began)
+        .await
+        .map(|along| (along, near))
+}
+
 /// Once the outbox is empty: the messages in the 10 s tier's wait queue.
 async fn packs_waiting(env: &TestEnv, db: &tokio_postgres::Client) -> u32 {
     drained(db).await;
@@ -245,22 +268,16 @@ async fn a_deadline_due_soon_never_waits_for_gathering() {
     for _ in 0..ATTEMPTS {
         // A far intent first, so that a gathering round is pending when the near one
         // arrives: the near one must leave while the far one is still gathering.
-        let began = Instant::now();
-        let (far, untouched) = far_intents(&mut db, 1).await;
-        created += 1;
-        if untouched {
-            let near = create_orders(&mut db, &[Duration::from_millis(200)], &[]).await;
-            created += 1;
-            if let Some(far_along) = left_with(&db, near[0].0, &far, began).await {
-                assert_eq!(
-                    far_along, 0,
-                    "the far intent left with the near one, before its gathering ended"
-                );
-                told = true;
-                let late_ms = lateness_ms(&db, near[0].0, Duration::from_secs(20)).await;
-                assert!(late_ms < 5_000, "the near order closed {late_ms} ms late");
-                break;
-            }
+        let near_in = Duration::from_millis(200);
+        if let Some((far_along, near)) = near_after_far(&mut db, 1, near_in, &mut created).await {
+            assert_eq!(
+                far_along, 0,
+                "the far intent left with the near one, before its gathering ended"
+            );
+            told = true;
+            let late_ms = lateness_ms(&db, near, Duration::from_secs(20)).await;
+            assert!(late_ms < 5_000, "the near order closed {late_ms} ms late");
+            break;
         }
         settled(&db).await;
     }
@@ -320,18 +337,9 @@ async fn an_urgent_row_leaves_at_once_without_cutting_a_gathering_short() {
         // more far ones: the near one must leave at once, and alone, so that the ten
         // far ones still leave together when the gathering ends.
         let began = Instant::now();
-        let (far, untouched) = far_intents(&mut db, 5).await;
-        created += 5;
-        let told_now = if untouched {
-            let near = create_orders(&mut db, &[Duration::from_millis(300)], &[]).await;
-            created += 1;
-            left_with(&db, near[0].0, &far, began)
-                .await
-                .map(|along| (along, near[0].0))
-        } else {
-            None
-        };
-        let Some((far_along, near)) = told_now else {
+        let near_in = Duration::from_millis(300);
+        let Some((far_along, near)) = near_after_far(&mut db, 5, near_in, &mut created).await
+        else {
             // Closed, so that the wait queue holds only the next try's packs.
             settled(&db).await;
             wait_closed(&db, created, Duration::from_secs(60)).await;
